@@ -1,0 +1,126 @@
+"""The op API of lrmoe_ds (installed as ``lrmoe_ds.ops``).
+
+Every caller uses these functions. Each takes ``backend``:
+  - ``"torch"``: the torch reference in ``reference.py`` (the CPU path and the test oracle);
+  - ``"cuda"``: the JIT-built kernels of ``csrc/``; an error naming the reason if they cannot be used;
+  - ``"auto"`` (default): the CUDA kernels for CUDA tensors where they build, else the reference
+    (said once in the log).
+The process-wide default can be changed with :func:`set_default_backend` (the ``"lrmoe"`` config's
+``ops_backend`` key does this).
+
+Shape letters: T tokens, H hidden, N/K a GEMM's output/reduction size, G groups, P pairs, I instances.
+"""
+import logging
+from typing import Optional, Sequence
+
+import torch
+
+from . import reference
+
+__all__ = ["routing_plan", "permute", "unpermute", "grouped_linear", "grouped_linear_dgrad",
+           "grouped_linear_wgrad", "topk_retention", "capacity_route", "set_default_backend",
+           "cuda_ops_status", "BACKENDS"]
+
+BACKENDS = ("auto", "torch", "cuda")
+_default_backend = "auto"
+_logger = logging.getLogger(__name__)
+_cuda_module = None   # the loaded extension wrapper, once loaded
+_cuda_error = None    # why it cannot be loaded, once known
+_fallback_said = False
+
+
+def set_default_backend(backend: str) -> None:
+    """Set the backend used where a call passes ``backend="default"`` or none."""
+    global _default_backend
+    _check_backend(backend)
+    _default_backend = backend
+
+
+def _check_backend(backend):
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown ops backend {backend!r}; accepted: {', '.join(BACKENDS)}")
+
+
+def cuda_ops_status():
+    """(available: bool, reason: str) for the CUDA kernels on this machine; loads them if possible."""
+    global _cuda_module, _cuda_error
+    if _cuda_module is None and _cuda_error is None:
+        if not torch.cuda.is_available():
+            _cuda_error = "no CUDA device is visible to torch"
+        else:
+            try:
+                from . import cuda as cuda_ops  # JIT-builds csrc/ on first use
+                cuda_ops.load()
+                _cuda_module = cuda_ops
+            except Exception as exc:  # the reason is reported to whoever asks for the kernels
+                _cuda_error = f"{type(exc).__name__}: {exc}"
+    return _cuda_module is not None, (_cuda_error or "built")
+
+
+def _select(name: str, backend: Optional[str], tensor: torch.Tensor):
+    global _fallback_said
+    backend = _default_backend if backend in (None, "default") else backend
+    _check_backend(backend)
+    if backend == "torch" or (backend == "auto" and not tensor.is_cuda):
+        return getattr(reference, name)
+    ok, reason = cuda_ops_status()
+    if ok and hasattr(_cuda_module, name) and tensor.is_cuda:
+        return getattr(_cuda_module, name)
+    if backend == "cuda":
+        if not tensor.is_cuda:
+            reason = f"its input is on {tensor.device}, not on a CUDA device"
+        elif ok:
+            reason = "this op has no CUDA kernel yet"
+        raise RuntimeError(f"lrmoe_ds.ops.{name}: CUDA ops were asked for but cannot be used: {reason}")
+    if not _fallback_said:
+        _logger.warning("lrmoe_ds.ops: CUDA kernels unavailable (%s); using the torch reference ops", reason)
+        _fallback_said = True
+    return getattr(reference, name)
+
+
+def routing_plan(group_of_pair: torch.Tensor, num_groups: int, backend: Optional[str] = None):
+    """Group pairs by destination: ``(counts [G], order [P], offsets [G+1])``; see reference.routing_plan."""
+    return _select("routing_plan", backend, group_of_pair)(group_of_pair, num_groups)
+
+
+def permute(x: torch.Tensor, row_index: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
+    """Row gather ``x[row_index]``: x [T, H], row_index [P] -> [P, H]."""
+    return _select("permute", backend, x)(x, row_index)
+
+
+def unpermute(rows: torch.Tensor, row_of_pair: torch.Tensor, weight: torch.Tensor,
+              backend: Optional[str] = None) -> torch.Tensor:
+    """Weighted combine ``out[t] = sum_k weight[t,k] rows[row_of_pair[t,k]]``: rows [P, H] -> [T, H]."""
+    return _select("unpermute", backend, rows)(rows, row_of_pair, weight)
+
+
+def grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], group_sizes: torch.Tensor,
+                   backend: Optional[str] = None) -> torch.Tensor:
+    """Segmented GEMM ``out_g = x_g W_g^T``: x [M, K], G weights [N, K], group_sizes [G] -> [M, N]."""
+    return _select("grouped_linear", backend, x)(x, weights, group_sizes)
+
+
+def grouped_linear_dgrad(dy: torch.Tensor, weights: Sequence[torch.Tensor], group_sizes: torch.Tensor,
+                         backend: Optional[str] = None) -> torch.Tensor:
+    """Segmented GEMM dgrad ``dx_g = dy_g W_g``: dy [M, N], G weights [N, K] -> [M, K]."""
+    return _select("grouped_linear_dgrad", backend, dy)(dy, weights, group_sizes)
+
+
+def grouped_linear_wgrad(dy: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor,
+                         out: Optional[Sequence[torch.Tensor]] = None, accumulate: bool = False,
+                         backend: Optional[str] = None):
+    """Segmented GEMM wgrad ``dW_g = dy_g^T x_g`` into G tensors [N, K] (``out``, optionally accumulated)."""
+    return _select("grouped_linear_wgrad", backend, dy)(dy, x, group_sizes, out=out, accumulate=accumulate)
+
+
+def topk_retention(scores: torch.Tensor, group_sizes: torch.Tensor, quotas: torch.Tensor,
+                   backend: Optional[str] = None):
+    """Per group keep the q_g highest scores: ``(kept [P'], kept_sizes [G], threshold [G])``."""
+    return _select("topk_retention", backend, scores)(scores, group_sizes, quotas)
+
+
+def capacity_route(pair_group, pair_rank, instance_group, instance_rank, instance_capacity,
+                   backend: Optional[str] = None) -> torch.Tensor:
+    """Assign retained pairs to expert instances under capacities: pair_instance [P] (-1: fits nowhere)."""
+    return _select("capacity_route", backend, pair_group)(pair_group, pair_rank, instance_group,
+                                                          instance_rank, instance_capacity)

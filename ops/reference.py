@@ -1,0 +1,193 @@
+"""Torch reference implementations of every op: the CPU path, and the oracle the CUDA ops are
+tested against. One implementation per op; nothing else in the project re-implements them.
+
+Shape letters: T tokens, H hidden, N/K a GEMM's output/reduction size, G groups (experts or expert
+instances), P pairs (token-expert assignments), I expert instances.
+
+The references may read sizes to the host (a CPU loop over groups needs them); the CUDA ops may not.
+"""
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+
+def routing_plan(group_of_pair: torch.Tensor, num_groups: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group pairs by destination.
+
+    Args:
+        group_of_pair: [P] int, destination group of each pair, in [0, num_groups).
+    Returns:
+        counts [G] int64, pairs per group;
+        order [P] int64, a stable permutation: order[i] is the pair at grouped position i
+            (pairs of group 0 first, each group in pair order);
+        offsets [G+1] int64, group g occupies grouped positions offsets[g]:offsets[g+1].
+    """
+    group_of_pair = group_of_pair.reshape(-1).long()
+    counts = torch.bincount(group_of_pair, minlength=num_groups)
+    order = torch.argsort(group_of_pair, stable=True)
+    offsets = torch.zeros(num_groups + 1, dtype=torch.long, device=group_of_pair.device)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    return counts, order, offsets
+
+
+def permute(x: torch.Tensor, row_index: torch.Tensor) -> torch.Tensor:
+    """Row gather into grouped order: out[i] = x[row_index[i]].  x [T, H], row_index [P] -> [P, H]."""
+    return x.index_select(0, row_index.long())
+
+
+def unpermute(rows: torch.Tensor, row_of_pair: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Weighted combine: out[t] = sum_k weight[t, k] * rows[row_of_pair[t, k]].
+
+    A gather then a fixed-order sum over k, so it is deterministic (no scatter atomics).
+    rows [P, H], row_of_pair [T, K] int, weight [T, K] -> [T, H] in rows' dtype; the sum runs in
+    the wider of rows' and weight's dtypes.
+    """
+    T, K = row_of_pair.shape
+    acc = torch.promote_types(rows.dtype, weight.dtype)
+    gathered = rows.index_select(0, row_of_pair.reshape(-1).long()).view(T, K, -1).to(acc)
+    return torch.einsum("tkh,tk->th", gathered, weight.to(acc)).to(rows.dtype)
+
+
+def _group_slices(group_sizes: torch.Tensor):
+    start = 0
+    for g, n in enumerate(group_sizes.tolist()):  # host read: the reference loops on the CPU
+        yield g, start, start + n
+        start += n
+
+
+def grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], group_sizes: torch.Tensor) -> torch.Tensor:
+    """Segmented GEMM forward, nn.Linear layout: out_g = x_g @ W_g^T.
+
+    x [M, K] in grouped order, weights: G tensors [N, K], group_sizes [G] (sum = M) -> [M, N].
+    """
+    _check_groups(x, weights, group_sizes, dim=1)
+    out = x.new_empty(x.shape[0], weights[0].shape[0])
+    for g, a, b in _group_slices(group_sizes):
+        torch.matmul(x[a:b], weights[g].t(), out=out[a:b])
+    return out
+
+
+def grouped_linear_dgrad(dy: torch.Tensor, weights: Sequence[torch.Tensor], group_sizes: torch.Tensor) -> torch.Tensor:
+    """Segmented GEMM dgrad: dx_g = dy_g @ W_g.   dy [M, N], weights: G tensors [N, K] -> [M, K]."""
+    _check_groups(dy, weights, group_sizes, dim=0)
+    out = dy.new_empty(dy.shape[0], weights[0].shape[1])
+    for g, a, b in _group_slices(group_sizes):
+        torch.matmul(dy[a:b], weights[g], out=out[a:b])
+    return out
+
+
+def grouped_linear_wgrad(dy: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor,
+                         out: Optional[Sequence[torch.Tensor]] = None, accumulate: bool = False):
+    """Segmented GEMM wgrad (variable reduction size): dW_g = dy_g^T @ x_g.
+
+    dy [M, N], x [M, K], group_sizes [G]. Writes into ``out`` (G tensors [N, K]) when given,
+    adding to what is there when ``accumulate``; an empty group gives zeros (or leaves ``out``
+    unchanged when accumulating). Returns the G gradients.
+    """
+    if dy.shape[0] != x.shape[0]:
+        raise ValueError(f"grouped_linear_wgrad: dy has {dy.shape[0]} rows but x has {x.shape[0]}")
+    G = group_sizes.numel()
+    if out is None:
+        out = [dy.new_zeros(dy.shape[1], x.shape[1]) for _ in range(G)]
+    elif len(out) != G:
+        raise ValueError(f"grouped_linear_wgrad: {len(out)} output tensors for {G} groups")
+    for g, a, b in _group_slices(group_sizes):
+        grad = dy[a:b].t().to(out[g].dtype) @ x[a:b].to(out[g].dtype)
+        if accumulate:
+            out[g].add_(grad)
+        else:
+            out[g].copy_(grad)
+    return list(out)
+
+
+def _check_groups(x, weights, group_sizes, dim):
+    if len(weights) != group_sizes.numel():
+        raise ValueError(f"{len(weights)} weights for {group_sizes.numel()} groups")
+    if x.dim() != 2 or (len(weights) and x.shape[1] != weights[0].shape[dim]):
+        raise ValueError(f"input of shape {tuple(x.shape)} does not match weights of shape "
+                         f"{tuple(weights[0].shape) if len(weights) else ()}")
+
+
+def topk_retention(scores: torch.Tensor, group_sizes: torch.Tensor,
+                   quotas: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quota-aware top-k: in each group keep the q_g pairs of highest score, ties by position.
+
+    Args:
+        scores: [P] float, pairs in grouped order.
+        group_sizes: [G] int, n_g (sum = P).  quotas: [G] int >= 0.
+    Returns:
+        kept [P'] int64: grouped positions of the kept pairs, in grouped order (each group's kept
+            pairs ascending by position), P' = sum_g min(q_g, n_g);
+        kept_sizes [G] int64: min(q_g, n_g);
+        threshold [G] float: the (q_g+1)-th largest score of group g, 0 where q_g >= n_g
+            (priority sampling's tau).
+    """
+    if scores.dim() != 1 or scores.numel() != int(group_sizes.sum()):
+        raise ValueError(f"topk_retention: {scores.numel()} scores for groups summing to {int(group_sizes.sum())}")
+    if (quotas < 0).any():
+        raise ValueError("topk_retention: quotas must be >= 0")
+    kept, thresholds = [], []
+    for g, a, b in _group_slices(group_sizes):
+        q = min(int(quotas[g]), b - a)
+        s = scores[a:b]
+        # descending by score, ties by position: sort positions by (-score) stably
+        rank = torch.sort(-s, stable=True).indices
+        kept.append(torch.sort(rank[:q]).values + a)
+        thresholds.append(s[rank[q]] if q < b - a else s.new_zeros(()))
+    device = scores.device
+    kept = torch.cat(kept) if kept else torch.zeros(0, dtype=torch.long, device=device)
+    threshold = torch.stack(thresholds) if thresholds else scores.new_zeros(0)
+    return kept.long(), torch.minimum(quotas.long(), group_sizes.long()), threshold
+
+
+def capacity_route(pair_group: torch.Tensor, pair_rank: torch.Tensor, instance_group: torch.Tensor,
+                   instance_rank: torch.Tensor, instance_capacity: torch.Tensor) -> torch.Tensor:
+    """Assign retained pairs to instances of their expert under per-instance capacities.
+
+    Pairs are in grouped order (by expert). For each expert:
+      1. local first: the pairs whose token lives on rank r go, in pair order, to the expert's
+         instance on rank r (the first such instance), up to its capacity;
+      2. spill: the remaining pairs are placed as if one at a time on the instance with the most
+         spare capacity (ties: lowest instance index); equivalently, a water-fill of the spare
+         capacities, each instance then taking a contiguous run of the spilled pairs in instance order;
+      3. pairs that fit nowhere get -1.
+    Deterministic. pair_group/pair_rank [P], instance_* [I] -> pair_instance [P] int64.
+    """
+    P = pair_group.numel()
+    out = torch.full((P,), -1, dtype=torch.long)
+    pg, pr = pair_group.long().cpu(), pair_rank.long().cpu()
+    ig, ir, cap = instance_group.long().cpu(), instance_rank.long().cpu(), instance_capacity.long().cpu()
+    if (cap < 0).any():
+        raise ValueError("capacity_route: capacities must be >= 0")
+    spare = cap.clone()
+    for e in torch.unique(pg).tolist():
+        pairs = (pg == e).nonzero().flatten()
+        insts = (ig == e).nonzero().flatten()
+        spilled = []
+        for r in torch.unique(pr[pairs]).tolist():
+            mine = pairs[pr[pairs] == r]
+            local = insts[ir[insts] == r]
+            take = 0
+            if local.numel():
+                i = int(local[0])
+                take = min(int(spare[i]), mine.numel())
+                out[mine[:take]] = i
+                spare[i] -= take
+            spilled.append(mine[take:])
+        spilled = torch.sort(torch.cat(spilled)).values if spilled else pairs[:0]
+        left = spilled.numel()
+        # water-fill: greedy one-at-a-time to the most spare instance gives these counts
+        takes = torch.zeros(insts.numel(), dtype=torch.long)
+        s = spare[insts].clone()
+        while left and int(s.max()) > 0:
+            j = int(torch.argmax(s))  # first maximum: lowest instance index
+            takes[j] += 1
+            s[j] -= 1
+            left -= 1
+        start = 0
+        for j, i in enumerate(insts.tolist()):
+            n = int(takes[j])
+            out[spilled[start:start + n]] = i
+            spare[i] -= n
+            start += n
+    return out.to(pair_group.device)
