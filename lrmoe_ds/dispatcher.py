@@ -1,0 +1,173 @@
+"""Token dispatcher: every collective of the layer lives here.
+
+Forward: plan (one all-gather of per-expert counts; the one host read, for the all-to-all split
+sizes), dispatch (permute pairs by destination, variable-split all-to-all, regroup by local expert),
+combine (the reverse, then the weighted sum over each token's k pairs). The backward of each step is
+the reverse step. On one rank there is no collective and no regroup.
+
+T tokens, K top-k, H hidden, E experts, E_l local experts, R expert-parallel ranks, P = T*K pairs,
+M rows received by this rank.
+"""
+from collections import Counter
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from lrmoe_ds import ops
+
+#: number of collective calls made by dispatchers in this process, by name (tests read it)
+COLLECTIVE_CALLS: Counter = Counter()
+
+
+def _inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+
+
+@dataclass
+class DispatchPlan:
+    """Where every pair goes; made once in the forward and used by dispatch, combine and backward.
+
+    order [P]: send row -> pair (pairs grouped by expert, hence by destination rank).
+    row_of_pair [T, K]: pair -> send row.
+    send_splits / recv_splits: rows to / from each EP rank (host ints).
+    regroup [M] / regroup_inverse [M]: received row order -> grouped by local expert (None if R == 1).
+    group_sizes [E_l] (device) and group_sizes_host: rows per local expert.
+    global_counts [E] (host): n_e, pairs routed to each expert over the EP group.
+    """
+    order: torch.Tensor
+    row_of_pair: torch.Tensor
+    send_splits: List[int]
+    recv_splits: List[int]
+    regroup: Optional[torch.Tensor]
+    regroup_inverse: Optional[torch.Tensor]
+    group_sizes: torch.Tensor
+    group_sizes_host: List[int]
+    global_counts: torch.Tensor
+
+
+class _GatherRows(torch.autograd.Function):
+    """out = x[index]; backward dx[t] = sum_j dout[backward_index[t, j]] (a deterministic gather-sum)."""
+
+    @staticmethod
+    def forward(ctx, x, index, backward_index):
+        ctx.save_for_backward(backward_index)
+        return ops.permute(x, index)
+
+    @staticmethod
+    def backward(ctx, dout):
+        (backward_index,) = ctx.saved_tensors
+        ones = torch.ones(backward_index.shape, dtype=dout.dtype, device=dout.device)
+        return ops.unpermute(dout.contiguous(), backward_index, ones), None, None
+
+
+class _Combine(torch.autograd.Function):
+    """out[t] = sum_k weight[t, k] rows[row_of_pair[t, k]]; the gate gradient is exact (from rows)."""
+
+    @staticmethod
+    def forward(ctx, rows, row_of_pair, weight, order):
+        ctx.save_for_backward(rows, row_of_pair, weight, order)
+        return ops.unpermute(rows, row_of_pair, weight)
+
+    @staticmethod
+    def backward(ctx, dout):
+        rows, row_of_pair, weight, order = ctx.saved_tensors
+        T, K = row_of_pair.shape
+        dout = dout.contiguous()
+        d_rows = d_weight = None
+        if ctx.needs_input_grad[0]:
+            weight_of_row = weight.reshape(-1).index_select(0, order)
+            d_rows = ops.permute(dout, order // K) * weight_of_row.to(dout.dtype).unsqueeze(1)
+        if ctx.needs_input_grad[2]:
+            acc = torch.promote_types(rows.dtype, weight.dtype)
+            pair_rows = ops.permute(rows, row_of_pair.reshape(-1)).view(T, K, -1).to(acc)
+            d_weight = torch.einsum("tkh,th->tk", pair_rows, dout.to(acc)).to(weight.dtype)
+        return d_rows, None, d_weight, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """Variable-split all-to-all of rows; its backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, recv_splits, send_splits, group):
+        ctx.splits, ctx.group = (recv_splits, send_splits), group
+        return _all_to_all(x, recv_splits, send_splits, group)
+
+    @staticmethod
+    def backward(ctx, dout):
+        recv_splits, send_splits = ctx.splits
+        return _all_to_all(dout, send_splits, recv_splits, ctx.group), None, None, None
+
+
+def _all_to_all(x, recv_splits, send_splits, group):
+    out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
+    COLLECTIVE_CALLS["all_to_all"] += 1
+    dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+    return out
+
+
+class AllToAllDispatcher:
+    """Dispatch and combine over an expert-parallel group, one home instance per expert.
+
+    Expert e lives on EP rank e // E_l as its local expert e % E_l.
+    """
+
+    def __init__(self, num_experts: int, ep_size: int, ep_group=None):
+        if num_experts % ep_size:
+            raise ValueError(f"num_experts ({num_experts}) must be divisible by ep_size ({ep_size})")
+        self.num_experts, self.ep_size, self.ep_group = num_experts, ep_size, ep_group
+        self.num_local_experts = num_experts // ep_size
+
+    def plan(self, topk_index: torch.Tensor, counts: torch.Tensor) -> DispatchPlan:
+        """topk_index [T, K], counts [E] (pairs per expert from this rank) -> DispatchPlan."""
+        E, El, R = self.num_experts, self.num_local_experts, self.ep_size
+        _, order, _ = ops.routing_plan(topk_index.reshape(-1), E)
+        row_of_pair = _inverse_permutation(order).view(topk_index.shape)
+        if R == 1:
+            # host read: the reference ops loop over groups and the planner sets quotas from n_e
+            counts_host = counts.cpu()
+            sizes = counts_host.tolist()
+            return DispatchPlan(order, row_of_pair, [sum(sizes)], [sum(sizes)], None, None, counts, sizes,
+                                counts_host)
+        if self.ep_group is None:
+            raise RuntimeError("ep_size > 1 but the layer has no expert-parallel group: build the model's "
+                               "engine with lrmoe_ds.initialize (or deepspeed.initialize) first")
+        all_counts = counts.new_empty(R, E)
+        COLLECTIVE_CALLS["all_gather"] += 1
+        dist.all_gather_into_tensor(all_counts, counts.contiguous(), group=self.ep_group)
+        # the one host read of the forward: the all-to-all's split sizes
+        all_counts = all_counts.cpu()
+        rank = dist.get_rank(self.ep_group)
+        mine = all_counts[:, rank * El:(rank + 1) * El]                      # [R, E_l] rows from each rank
+        send_splits = all_counts[rank].view(R, El).sum(1).tolist()
+        recv_splits = mine.sum(1).tolist()
+        group_sizes_host = mine.sum(0)
+        device = topk_index.device
+        group_of_row = torch.repeat_interleave(torch.arange(El).repeat(R), mine.reshape(-1)).to(device)
+        _, regroup, _ = ops.routing_plan(group_of_row, El)
+        return DispatchPlan(order, row_of_pair, send_splits, recv_splits, regroup, _inverse_permutation(regroup),
+                            group_sizes_host.to(device), group_sizes_host.tolist(), all_counts.sum(0))
+
+    def dispatch(self, x: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        """x [T, H] -> rows [M, H] grouped by local expert."""
+        K = plan.row_of_pair.shape[1]
+        rows = _GatherRows.apply(x, plan.order // K, plan.row_of_pair)
+        if self.ep_size == 1:
+            return rows
+        rows = _AllToAll.apply(rows, plan.recv_splits, plan.send_splits, self.ep_group)
+        return _GatherRows.apply(rows, plan.regroup, plan.regroup_inverse.unsqueeze(1))
+
+    def dispatch_values(self, values: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        """A per-pair value [T, K] (not differentiated) -> [M] in the grouped row order."""
+        rows = values.reshape(-1, 1).index_select(0, plan.order)
+        if self.ep_size > 1:
+            rows = _all_to_all(rows, plan.recv_splits, plan.send_splits, self.ep_group).index_select(0, plan.regroup)
+        return rows.reshape(-1)
+
+    def combine(self, rows: torch.Tensor, topk_weight: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        """Expert outputs [M, H] grouped by local expert, gate weights [T, K] -> [T, H]."""
+        if self.ep_size > 1:
+            rows = _GatherRows.apply(rows, plan.regroup_inverse, plan.regroup.unsqueeze(1))
+            rows = _AllToAll.apply(rows, plan.send_splits, plan.recv_splits, self.ep_group)
+        return _Combine.apply(rows, plan.row_of_pair, topk_weight, plan.order)

@@ -1,0 +1,44 @@
+"""Connecting the "lrmoe" config block to a model and to DeepSpeed's engine."""
+from typing import Any, Dict, List, Optional
+
+import deepspeed
+from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+from torch import nn
+
+from lrmoe_ds.config import LRMoEConfig, parse_config
+from lrmoe_ds.layer import LRMoE
+
+
+def lrmoe_layers(model: nn.Module) -> List[LRMoE]:
+    """The LRMoE layers of a model, in module order."""
+    return [m for m in model.modules() if isinstance(m, LRMoE)]
+
+
+def configure_model(model: nn.Module, config: Optional[LRMoEConfig] = None) -> LRMoEConfig:
+    """Apply an "lrmoe" block to every LRMoE layer of ``model`` (numbering the layers for seeding)."""
+    config = config or LRMoEConfig()
+    for number, layer in enumerate(lrmoe_layers(model)):
+        layer.configure(config, layer_number=number)
+    return config
+
+
+def initialize(args=None, model: Optional[nn.Module] = None, config: Any = None,
+               model_parameters: Optional[Any] = None, **kwargs):
+    """``deepspeed.initialize`` for models with LRMoE layers.
+
+    Reads and validates the config's "lrmoe" block (the config given here, or
+    ``args.deepspeed_config``) before anything starts, configures every LRMoE layer with it, builds
+    DeepSpeed's MoE parameter groups when ``model_parameters`` is not given, then calls
+    ``deepspeed.initialize`` with the same arguments. Returns its ``(engine, optimizer,
+    dataloader, lr_scheduler)``.
+    """
+    if model is None:
+        raise ValueError("lrmoe_ds.initialize needs a model")
+    source = config if config is not None else getattr(args, "deepspeed_config", None)
+    configure_model(model, parse_config(source))
+    if model_parameters is None:
+        params: Dict[str, Any] = {"params": [p for p in model.parameters() if p.requires_grad], "name": "parameters"}
+        model_parameters = split_params_into_different_moe_groups_for_optimizer(params)
+    if config is not None:
+        kwargs["config"] = config
+    return deepspeed.initialize(args=args, model=model, model_parameters=model_parameters, **kwargs)

@@ -1,0 +1,148 @@
+"""LRMoE: a drop-in replacement for ``deepspeed.moe.layer.MoE``.
+
+forward: route -> plan -> dispatch -> experts -> combine; the backward runs back through the same
+stages, the experts' backward on the retained pairs alone when the "lrmoe" block enables retention.
+"""
+import hashlib
+from typing import Literal, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from deepspeed.moe.layer import MoE
+from deepspeed.utils import log_dist
+from torch import nn
+
+from lrmoe_ds import ops
+from lrmoe_ds.config import LRMoEConfig
+from lrmoe_ds.dispatcher import AllToAllDispatcher, DispatchPlan
+from lrmoe_ds.experts import EXPERT_TYPES, GroupedExperts
+from lrmoe_ds.retention import RetentionSpec, water_fill_quotas
+from lrmoe_ds.router import Router
+
+
+class RoutedExperts(nn.Module):
+    """The layer's router (``gate``), local experts (``experts``) and dispatcher, under the attribute
+    name ``deepspeed_moe`` that DeepSpeed's engine and checkpoints look for."""
+
+    def __init__(self, gate: Router, experts: GroupedExperts, dispatcher: AllToAllDispatcher):
+        super().__init__()
+        self.gate, self.experts, self.dispatcher = gate, experts, dispatcher
+
+    def _set_ep_group(self, ep_group):
+        self.dispatcher.ep_group = ep_group
+
+
+class LRMoE(MoE):
+    """A dropless MoE layer with LRMoE's retention in the backward.
+
+    Takes ``deepspeed.moe.layer.MoE``'s arguments where they make sense and returns the same
+    ``(output, l_aux, exp_counts)``. Arguments that only matter when tokens are dropped
+    (capacity_factor, eval_capacity_factor, min_capacity, use_rts) are accepted and ignored: every
+    routed pair is computed.
+
+    Args:
+        hidden_size: H.
+        expert: the expert module; None builds ``activation`` experts of ``ffn_hidden_size``.
+            A :class:`~lrmoe_ds.SwiGLUExpert` or :class:`~lrmoe_ds.GELUExpert` runs as grouped GEMMs;
+            another module runs in a per-expert loop (exact, but without retention). As in DeepSpeed,
+            a given expert is copied to every local expert; built-in experts are initialised apart.
+        num_experts: E.  ep_size: expert-parallel ranks (E % ep_size == 0).  k: experts per token.
+        use_residual: Residual MoE (DeepSpeed's): a dense copy of the expert mixed in by a learned coefficient.
+        ffn_hidden_size, activation ("swiglu" | "gelu"): the built-in experts' shape.
+        score_func ("softmax" | "sigmoid"), norm_topk_prob, expert_bias, z_loss_coef: see :class:`Router`.
+    forward(hidden_states [..., H]) -> (output [..., H], l_aux scalar, exp_counts [E] pairs per expert
+    from this rank's tokens).
+    """
+
+    def __init__(self, hidden_size: int, expert: Optional[nn.Module] = None, num_experts: int = 1,
+                 ep_size: int = 1, k: int = 1, capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0,
+                 min_capacity: int = 4, use_residual: bool = False, noisy_gate_policy: Optional[str] = None,
+                 drop_tokens: bool = False, use_rts: bool = True, use_tutel: bool = False,
+                 enable_expert_tensor_parallelism: bool = False, top2_2nd_expert_sampling: bool = False, *,
+                 ffn_hidden_size: Optional[int] = None, activation: Literal["swiglu", "gelu"] = "swiglu",
+                 score_func: Literal["softmax", "sigmoid"] = "softmax", norm_topk_prob: bool = True,
+                 expert_bias: bool = False, z_loss_coef: float = 0.0) -> None:
+        nn.Module.__init__(self)  # not MoE.__init__: it would build DeepSpeed's own gate and experts
+        unsupported = {"drop_tokens": drop_tokens, "noisy_gate_policy": noisy_gate_policy not in (None, "None"),
+                       "use_tutel": use_tutel, "enable_expert_tensor_parallelism": enable_expert_tensor_parallelism,
+                       "top2_2nd_expert_sampling": top2_2nd_expert_sampling}
+        bad = [name for name, on in unsupported.items() if on]
+        if bad:
+            raise ValueError(f"LRMoE does not support {', '.join(bad)} (it is dropless and routes "
+                             "deterministically); leave them at their defaults")
+        if num_experts % ep_size:
+            raise ValueError(f"num_experts ({num_experts}) must be divisible by ep_size ({ep_size})")
+        if expert is None:
+            if ffn_hidden_size is None:
+                raise ValueError("give either `expert` or `ffn_hidden_size` (with `activation`)")
+            if activation not in EXPERT_TYPES:
+                raise ValueError(f"activation must be one of {sorted(EXPERT_TYPES)}, got {activation!r}")
+            expert = EXPERT_TYPES[activation](hidden_size, ffn_hidden_size)
+            fresh_init = True
+        else:
+            fresh_init = False
+        self.hidden_size = hidden_size
+        self.num_experts, self.ep_size, self.k = num_experts, ep_size, k
+        self.num_local_experts = num_experts // ep_size
+        self.expert_group_name = f"ep_size_{ep_size}"
+        self.enable_expert_tensor_parallelism = False
+        self.use_residual = use_residual
+        log_dist(f"Creating LRMoE layer: num_experts {num_experts}, num_local_experts "
+                 f"{self.num_local_experts}, ep_size {ep_size}, k {k}", [0])
+        router = Router(hidden_size, num_experts, k, score_func, norm_topk_prob, expert_bias, z_loss_coef)
+        experts = GroupedExperts(expert, self.num_local_experts, self.expert_group_name, fresh_init)
+        self.deepspeed_moe = RoutedExperts(router, experts, AllToAllDispatcher(num_experts, ep_size))
+        if use_residual:
+            self.mlp = expert
+            self.coefficient = nn.Linear(hidden_size, 2)
+        self.lrmoe_config = LRMoEConfig()
+        self.layer_number = 0
+        self._forward_count = 0
+
+    def configure(self, config: LRMoEConfig, layer_number: int = 0) -> None:
+        """Apply the "lrmoe" block (``lrmoe_ds.initialize`` calls this for every layer)."""
+        if config.enabled and not self.deepspeed_moe.experts.grouped:
+            expert = type(self.deepspeed_moe.experts.deepspeed_experts[0]).__name__
+            raise ValueError(f'"lrmoe": {{"enabled": true}} needs grouped experts (SwiGLUExpert or GELUExpert), '
+                             f"but LRMoE layer {layer_number} has {expert} experts")
+        ops.set_default_backend(config.ops_backend)
+        self.lrmoe_config, self.layer_number = config, layer_number
+
+    def _retention_spec(self, plan: DispatchPlan, topk_weight: torch.Tensor,
+                        rows: torch.Tensor) -> Optional[RetentionSpec]:
+        cfg = self.lrmoe_config
+        if not (cfg.enabled and self.training and torch.is_grad_enabled()) or cfg.retention_ratio >= 1.0:
+            return None
+        ep_rank = 0 if self.ep_size == 1 else torch.distributed.get_rank(self.deepspeed_moe.dispatcher.ep_group)
+        quotas = water_fill_quotas(plan.global_counts, cfg.retention_ratio)
+        quotas = quotas[ep_rank * self.num_local_experts:(ep_rank + 1) * self.num_local_experts]
+        key = f"{cfg.seed}/{self.layer_number}/{self._forward_count}/{ep_rank}".encode()
+        seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+        row_gate = None
+        if cfg.metric == "gate":
+            row_gate = self.deepspeed_moe.dispatcher.dispatch_values(topk_weight.detach(), plan)
+        return RetentionSpec(quotas.to(rows.device), cfg.metric, cfg.selection, seed, row_gate)
+
+    def forward(self, hidden_states: torch.Tensor,
+                used_token: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if used_token is not None:
+            raise NotImplementedError("LRMoE does not support used_token masks")
+        if hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(f"LRMoE expects hidden size {self.hidden_size} in the last dimension, "
+                             f"got input of shape {tuple(hidden_states.shape)}")
+        moe = self.deepspeed_moe
+        x = hidden_states.reshape(-1, self.hidden_size)
+        routing = moe.gate(x)
+        plan = moe.dispatcher.plan(routing.topk_index, routing.counts)
+        rows = moe.dispatcher.dispatch(x, plan)
+        retention = self._retention_spec(plan, routing.topk_weight, rows)
+        if self.training:
+            self._forward_count += 1
+        expert_out = moe.experts(rows, plan.group_sizes, plan.group_sizes_host, retention)
+        out = moe.dispatcher.combine(expert_out, routing.topk_weight, plan).view_as(hidden_states)
+        if self.use_residual:
+            mlp_out = self.mlp(hidden_states)
+            mlp_out = mlp_out[0] if isinstance(mlp_out, tuple) else mlp_out
+            coef = F.softmax(self.coefficient(hidden_states), dim=-1)
+            out = out * coef[..., 0:1] + mlp_out * coef[..., 1:]
+        return out, routing.aux_loss, routing.counts

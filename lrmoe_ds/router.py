@@ -1,0 +1,95 @@
+"""Router: token scores, top-k selection, gate weights and the router's auxiliary losses."""
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class RoutingResult:
+    """What the router hands the dispatcher. T tokens, K top-k, E experts.
+
+    topk_index [T, K] int64: the experts of each token, in descending order of selection score.
+    topk_weight [T, K] float: gate weights (fp32 or wider), differentiable.
+    counts [E] int64: pairs routed to each expert from this rank's tokens.
+    aux_loss: scalar load-balancing loss (unscaled; the caller multiplies by its coefficient).
+    """
+    topk_index: torch.Tensor
+    topk_weight: torch.Tensor
+    counts: torch.Tensor
+    aux_loss: torch.Tensor
+
+
+class _AddLossGradient(torch.autograd.Function):
+    """Identity on ``x``; in the backward, adds d(coef * loss) to ``loss``'s inputs.
+
+    Lets the z-loss reach the router with its own coefficient without changing the returned l_aux.
+    """
+
+    @staticmethod
+    def forward(ctx, x, loss, coef):
+        ctx.coef = coef
+        ctx.loss_shape = loss.shape
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full(ctx.loss_shape, ctx.coef, dtype=grad.dtype, device=grad.device), None
+
+
+class Router(nn.Module):
+    """Top-k router. Logits in fp32, or in the input's dtype where that is wider.
+
+    Args:
+        hidden_size: H.  num_experts: E.  k: experts per token.
+        score_func: "softmax" (over all experts) or "sigmoid" (per expert).
+        norm_topk_prob: renormalise the k selected weights to sum to 1 (Qwen3's norm_topk_prob).
+        expert_bias: add a selection-only bias buffer ``score_bias`` [E] (aux-loss-free balancing):
+            it changes which experts are chosen, never the gate weights.
+        z_loss_coef: coefficient of the router z-loss mean(logsumexp(logits)^2), applied in the
+            backward (the returned aux loss is the load-balancing loss alone).
+    The weight is named ``wg`` as in DeepSpeed's TopKGate, so DeepSpeed's checkpointing treats it as
+    a shared (non-expert) parameter.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, k: int,
+                 score_func: Literal["softmax", "sigmoid"] = "softmax", norm_topk_prob: bool = True,
+                 expert_bias: bool = False, z_loss_coef: float = 0.0):
+        super().__init__()
+        if not 1 <= k <= num_experts:
+            raise ValueError(f"k must be in [1, num_experts={num_experts}], got {k}")
+        if score_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
+        self.num_experts, self.k = num_experts, k
+        self.score_func, self.norm_topk_prob, self.z_loss_coef = score_func, norm_topk_prob, z_loss_coef
+        self.wg = nn.Linear(hidden_size, num_experts, bias=False)
+        if expert_bias:
+            self.register_buffer("score_bias", torch.zeros(num_experts, dtype=torch.float32))
+        else:
+            self.score_bias = None
+
+    def forward(self, x: torch.Tensor) -> RoutingResult:
+        """x [T, H] -> RoutingResult."""
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        logits = F.linear(x.to(dtype), self.wg.weight.to(dtype))
+        if self.score_func == "softmax":
+            scores = torch.softmax(logits, dim=-1)
+            probs = scores
+        else:
+            scores = torch.sigmoid(logits)
+            probs = scores / scores.sum(-1, keepdim=True)
+        select = scores.detach() if self.score_bias is None else scores.detach() + self.score_bias.to(dtype)
+        topk_index = torch.topk(select, self.k, dim=-1).indices
+        topk_weight = scores.gather(1, topk_index)
+        if self.norm_topk_prob and self.k > 1:
+            topk_weight = topk_weight / topk_weight.sum(-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
+        counts = torch.bincount(topk_index.flatten(), minlength=self.num_experts)
+        # Switch/GShard balance loss over all k choices: E * sum_e mean_prob_e * pair_fraction_e
+        pair_fraction = counts.to(dtype) / max(topk_index.numel(), 1)
+        aux_loss = self.num_experts * torch.sum(probs.mean(0) * pair_fraction)
+        if self.z_loss_coef > 0 and self.training:
+            z_loss = torch.logsumexp(logits, dim=-1).square().mean()
+            topk_weight = _AddLossGradient.apply(topk_weight, z_loss, self.z_loss_coef)
+        return RoutingResult(topk_index, topk_weight, counts, aux_loss)
