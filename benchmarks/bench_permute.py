@@ -1,0 +1,65 @@
+"""Achieved bandwidth of the permutation kernels (permute = row gather, unpermute = weighted
+combine) against a device-to-device copy, at the issue's shapes. Median of CUDA-event timings.
+
+    python3 benchmarks/bench_permute.py [--out benchmarks/results/permute_h200.md]
+"""
+import argparse
+import statistics
+
+import torch
+
+from lrmoe_ds import ops
+
+
+def median_ms(fn, reps=30, warmup=5):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    dev = torch.cuda.get_device_name()
+    rows = []
+    big = torch.randn(512 * 2**20 // 2, dtype=torch.bfloat16, device="cuda")  # 512 MiB
+    dst = torch.empty_like(big)
+    ms = median_ms(lambda: dst.copy_(big))
+    copy_bw = 2 * big.numel() * 2 / ms / 1e9
+    rows.append(("copy (ceiling)", "512 MiB bf16", ms, copy_bw))
+    for H, T, K in [(2048, 8192, 8), (2048, 16384, 8), (4096, 8192, 8), (4096, 16384, 8)]:
+        x = torch.randn(T, H, dtype=torch.bfloat16, device="cuda")
+        P = T * K
+        idx = torch.randint(0, T, (P,), device="cuda")
+        ms = median_ms(lambda: ops.permute(x, idx, backend="cuda"))
+        rows.append(("permute", f"T={T} K={K} H={H}", ms, (2 * P * H * 2 + P * 8) / ms / 1e9))
+        ms_t = median_ms(lambda: x.index_select(0, idx))
+        rows.append(("torch index_select", f"T={T} K={K} H={H}", ms_t, (2 * P * H * 2 + P * 8) / ms_t / 1e9))
+        y = torch.randn(P, H, dtype=torch.bfloat16, device="cuda")
+        rop = torch.randperm(P, device="cuda").view(T, K)
+        w = torch.rand(T, K, device="cuda")
+        ms = median_ms(lambda: ops.unpermute(y, rop, w, backend="cuda"))
+        rows.append(("unpermute", f"T={T} K={K} H={H}", ms, (P * H * 2 + T * H * 2 + P * 12) / ms / 1e9))
+    lines = [f"# Permutation bandwidth on {dev}", "",
+             "Command: `python3 benchmarks/bench_permute.py` (bf16; bytes = reads + writes; median of 30 CUDA-event timings)", "",
+             "| kernel | shape | ms | GB/s | % of copy |", "| --- | --- | --- | --- | --- |"]
+    for name, shape, ms, bw in rows:
+        lines.append(f"| {name} | {shape} | {ms:.4f} | {bw:.0f} | {100 * bw / copy_bw:.0f}% |")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        open(args.out, "w").write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,11 @@
+// pybind11 binding of the lrmoe_ds CUDA ops; ops/cuda.py is the Python side.
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "lrmoe_ds CUDA ops (see ops/cuda.py)";
+  m.def("routing_plan", &lrmoe::routing_plan_op, "group pairs by destination (counts, order, offsets)");
+  m.def("permute", &lrmoe::permute_op, "row gather out[i] = x[row_index[i]]");
+  m.def("unpermute", &lrmoe::unpermute_op, "weighted combine out[t] = sum_k w[t,k] rows[row_of_pair[t,k]]");
+  m.def("topk_retention", &lrmoe::topk_retention_op, "quota-aware top-k retention per group");
+  m.def("capacity_route", &lrmoe::capacity_route_op, "assign retained pairs to instances under capacities");
+}

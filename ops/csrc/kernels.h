@@ -1,0 +1,53 @@
+// Launchers of the lrmoe_ds CUDA kernels. The .cu files include only CUDA, CUB and CUTLASS headers
+// (no torch), so they compile anywhere nvcc is; ops.cpp does the tensor checks and allocation.
+// Every launcher writes into buffers its caller allocated and enqueues on `stream`; none of them
+// synchronises with the host. Launchers taking `temp` return the scratch bytes they need when
+// called with temp == nullptr (the CUB convention) and do nothing else then.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace lrmoe {
+
+enum class DType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+enum class IType : int { kI32 = 0, kI64 = 1 };
+
+inline void cuda_check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) throw std::runtime_error(std::string("lrmoe_ds CUDA error in ") + what + ": " + cudaGetErrorString(err));
+}
+
+// Routing plan: counts [G], order [P] (stable), offsets [G+1], all int64.
+size_t routing_plan(const void* group_of_pair, IType itype, int64_t P, int64_t G, int64_t* counts, int64_t* order,
+                    int64_t* offsets, void* temp, size_t temp_bytes, cudaStream_t stream);
+// out[i, :] = x[index[i], :]; rows of `row_bytes` bytes.
+void permute(const void* x, int64_t T, int64_t row_bytes, const void* index, IType itype, int64_t P, void* out,
+             cudaStream_t stream);
+// out[t, :] = sum_k weight[t, k] * rows[row_of_pair[t, k], :]  (fp32 accumulation, k order).
+void unpermute(const void* rows, DType rtype, int64_t P, int64_t H, const void* row_of_pair, IType itype,
+               const void* weight, DType wtype, int64_t T, int K, void* out, cudaStream_t stream);
+
+// Quota-aware top-k; see retention.cu. kept [P] (the first sum_g min(q_g, n_g) entries are written),
+// kept_sizes [G] int64, threshold [G] in scores' dtype, summary [3] int64 = (kept total, sum of
+// group_sizes, number of negative quotas), read by the caller in its one synchronisation.
+size_t topk_retention(const void* scores, DType stype, int64_t P, const void* group_sizes, IType gtype,
+                      const void* quotas, IType qtype, int64_t G, int64_t* kept, int64_t* kept_sizes,
+                      void* threshold, int64_t* summary, void* temp, size_t temp_bytes, cudaStream_t stream);
+// Capacity routing; see retention.cu. pair_instance [P] int64.
+size_t capacity_route(const void* pair_group, const void* pair_rank, IType ptype, int64_t P, const void* instance_group,
+                      const void* instance_rank, const void* instance_capacity, IType itype, int64_t I,
+                      int64_t* pair_instance, void* temp, size_t temp_bytes, cudaStream_t stream);
+
+}  // namespace lrmoe
+
+// Device-side check: fails the kernel with a message (surfaces as a CUDA error at the next sync).
+#define LRMOE_DEVICE_ASSERT(cond, msg)                                       \
+  do {                                                                      \
+    if (!(cond)) __assert_fail(msg, __FILE__, __LINE__, __func__);          \
+  } while (0)
+#define LRMOE_CUDA_CHECK(expr) ::lrmoe::cuda_check((expr), #expr)
+#define LRMOE_LAUNCH_CHECK(what) ::lrmoe::cuda_check(cudaGetLastError(), what)

@@ -1,0 +1,188 @@
+// Routing plan (group pairs by destination), permute (row gather) and unpermute (weighted combine).
+// Device-side and deterministic; no host synchronisation.
+#include <cub/device/device_radix_sort.cuh>
+#include <cub/device/device_scan.cuh>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "device_utils.cuh"
+
+namespace lrmoe {
+namespace {
+
+constexpr int64_t kSharedCountLimit = 8192;  // groups counted in shared memory before global atomics
+
+// keys[i] = group of pair i (checked to be in range), values[i] = i; per-group counts by integer
+// atomics (the totals do not depend on the order of the additions).
+template <typename index_t>
+__global__ void plan_prepare_kernel(const index_t* __restrict__ group_of_pair, int64_t P, int64_t G,
+                                    uint32_t* __restrict__ keys, int64_t* __restrict__ values,
+                                    unsigned long long* __restrict__ counts) {
+  extern __shared__ unsigned int local_counts[];
+  const bool use_shared = G <= kSharedCountLimit;
+  if (use_shared) {
+    for (int64_t g = threadIdx.x; g < G; g += blockDim.x) local_counts[g] = 0;
+    __syncthreads();
+  }
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < P; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t g = group_of_pair[i];
+    LRMOE_DEVICE_ASSERT(g >= 0 && g < G, "routing_plan: group id out of range [0, num_groups)");
+    keys[i] = static_cast<uint32_t>(g);
+    values[i] = i;
+    if (use_shared) atomicAdd(&local_counts[g], 1u);
+    else atomicAdd(&counts[g], 1ull);
+  }
+  if (use_shared) {
+    __syncthreads();
+    for (int64_t g = threadIdx.x; g < G; g += blockDim.x)
+      if (local_counts[g]) atomicAdd(&counts[g], (unsigned long long)local_counts[g]);
+  }
+}
+
+// R rows per block, their loads issued before their stores (R independent accesses in flight).
+template <typename V, typename index_t, int R>
+__global__ void gather_rows_kernel(const V* __restrict__ x, const index_t* __restrict__ index, V* __restrict__ out,
+                                   int64_t P, int64_t T, int64_t vecs_per_row) {
+  const int64_t r0 = (int64_t)blockIdx.x * R;
+  int64_t src[R];
+#pragma unroll
+  for (int j = 0; j < R; ++j) {
+    src[j] = r0 + j < P ? (int64_t)index[r0 + j] : -1;
+    LRMOE_DEVICE_ASSERT(r0 + j >= P || (src[j] >= 0 && src[j] < T), "permute: row index out of range [0, T)");
+  }
+  for (int64_t c = threadIdx.x; c < vecs_per_row; c += blockDim.x) {
+    V v[R];
+#pragma unroll
+    for (int j = 0; j < R; ++j)
+      if (src[j] >= 0) v[j] = __ldg(x + src[j] * vecs_per_row + c);
+#pragma unroll
+    for (int j = 0; j < R; ++j)
+      if (src[j] >= 0) out[(r0 + j) * vecs_per_row + c] = v[j];
+  }
+}
+
+// One token per block: out[t, :] = sum_k w[t, k] * rows[row_of_pair[t, k], :], fp32 accumulation in k order.
+template <typename row_t, typename weight_t, typename index_t, int VEC>
+__global__ void combine_kernel(const row_t* __restrict__ rows, const index_t* __restrict__ row_of_pair,
+                               const weight_t* __restrict__ weight, row_t* __restrict__ out, int64_t P, int K,
+                               int64_t H) {
+  using Vec = typename std::conditional<VEC * sizeof(row_t) == 16, uint4, row_t>::type;
+  static_assert(sizeof(Vec) == VEC * sizeof(row_t), "vector width");
+  const int64_t t = blockIdx.x;
+  const int64_t nvec = H / VEC;
+  const index_t* rp = row_of_pair + t * K;
+  const weight_t* wp = weight + t * K;
+  for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
+    float acc[VEC];
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) acc[v] = 0.f;
+#pragma unroll 4
+    for (int k = 0; k < K; ++k) {
+      const int64_t r = rp[k];
+      LRMOE_DEVICE_ASSERT(r >= 0 && r < P, "unpermute: row_of_pair out of range [0, P)");
+      const float w = to_float(wp[k]);
+      const Vec raw = __ldg(reinterpret_cast<const Vec*>(rows + r * H) + c);
+      const row_t* e = reinterpret_cast<const row_t*>(&raw);
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) acc[v] = fmaf(w, to_float(e[v]), acc[v]);
+    }
+    Vec res;
+    row_t* o = reinterpret_cast<row_t*>(&res);
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) o[v] = from_float<row_t>(acc[v]);
+    reinterpret_cast<Vec*>(out + t * H)[c] = res;
+  }
+}
+
+int threads_for(int64_t work) { return (int)std::min<int64_t>(256, std::max<int64_t>(32, (work + 31) / 32 * 32)); }
+
+}  // namespace
+
+size_t routing_plan(const void* group_of_pair, IType itype, int64_t P, int64_t G, int64_t* counts, int64_t* order,
+                    int64_t* offsets, void* temp, size_t temp_bytes, cudaStream_t stream) {
+  Scratch s(temp);
+  uint32_t* keys_in = s.take<uint32_t>(P);
+  uint32_t* keys_out = s.take<uint32_t>(P);
+  int64_t* values = s.take<int64_t>(P);
+  size_t sort_bytes = 0, scan_bytes = 0;
+  LRMOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, keys_in, keys_out, values, order, P, 0,
+                                                   end_bit_for(G), stream));
+  LRMOE_CUDA_CHECK(cub::DeviceScan::InclusiveSum(nullptr, scan_bytes, counts, offsets + 1, G, stream));
+  void* cub_temp = s.take<char>(std::max(sort_bytes, scan_bytes));
+  if (temp == nullptr) return s.used;
+  if (temp_bytes < s.used) throw std::runtime_error("routing_plan: scratch too small");
+
+  LRMOE_CUDA_CHECK(cudaMemsetAsync(counts, 0, G * sizeof(int64_t), stream));
+  LRMOE_CUDA_CHECK(cudaMemsetAsync(offsets, 0, sizeof(int64_t), stream));
+  if (P == 0) {
+    LRMOE_CUDA_CHECK(cudaMemsetAsync(offsets + 1, 0, G * sizeof(int64_t), stream));
+    return s.used;
+  }
+  const int threads = 256;
+  const int blocks = (int)std::min<int64_t>((P + threads - 1) / threads, 4 * num_sms());
+  const size_t smem = G <= kSharedCountLimit ? G * sizeof(unsigned int) : 0;
+  dispatch_index(itype, [&](auto tag) {
+    using index_t = decltype(tag);
+    plan_prepare_kernel<index_t><<<blocks, threads, smem, stream>>>(
+        static_cast<const index_t*>(group_of_pair), P, G, keys_in, values, reinterpret_cast<unsigned long long*>(counts));
+  });
+  LRMOE_LAUNCH_CHECK("routing_plan: prepare");
+  size_t bytes = sort_bytes;
+  LRMOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(cub_temp, bytes, keys_in, keys_out, values, order, P, 0,
+                                                   end_bit_for(G), stream));
+  bytes = scan_bytes;
+  LRMOE_CUDA_CHECK(cub::DeviceScan::InclusiveSum(cub_temp, bytes, counts, offsets + 1, G, stream));
+  return s.used;
+}
+
+void permute(const void* x, int64_t T, int64_t row_bytes, const void* index, IType itype, int64_t P, void* out,
+             cudaStream_t stream) {
+  if (P == 0 || row_bytes == 0) return;
+  constexpr int R = 4;
+  const unsigned blocks = (unsigned)((P + R - 1) / R);
+  auto launch = [&](auto vec_tag) {
+    using V = decltype(vec_tag);
+    const int64_t vpr = row_bytes / (int64_t)sizeof(V);
+    dispatch_index(itype, [&](auto itag) {
+      using index_t = decltype(itag);
+      gather_rows_kernel<V, index_t, R><<<blocks, threads_for(vpr), 0, stream>>>(
+          static_cast<const V*>(x), static_cast<const index_t*>(index), static_cast<V*>(out), P, T, vpr);
+    });
+  };
+  if (row_bytes % 16 == 0 && aligned16(x) && aligned16(out)) launch(uint4{});
+  else if (row_bytes % 4 == 0 && (reinterpret_cast<uintptr_t>(x) % 4 == 0) && (reinterpret_cast<uintptr_t>(out) % 4 == 0)) launch(uint32_t{});
+  else if (row_bytes % 2 == 0) launch(uint16_t{});
+  else launch(uint8_t{});
+  LRMOE_LAUNCH_CHECK("permute");
+}
+
+void unpermute(const void* rows, DType rtype, int64_t P, int64_t H, const void* row_of_pair, IType itype,
+               const void* weight, DType wtype, int64_t T, int K, void* out, cudaStream_t stream) {
+  if (T == 0 || H == 0) return;
+  dispatch_float(rtype, [&](auto rtag) {
+    using row_t = decltype(rtag);
+    if (K == 0) {
+      LRMOE_CUDA_CHECK(cudaMemsetAsync(out, 0, T * H * sizeof(row_t), stream));
+      return;
+    }
+    dispatch_float(wtype, [&](auto wtag) {
+      using weight_t = decltype(wtag);
+      dispatch_index(itype, [&](auto itag) {
+        using index_t = decltype(itag);
+        constexpr int VEC = 16 / sizeof(row_t);
+        const auto* r = static_cast<const row_t*>(rows);
+        const auto* rp = static_cast<const index_t*>(row_of_pair);
+        const auto* w = static_cast<const weight_t*>(weight);
+        auto* o = static_cast<row_t*>(out);
+        if (H % VEC == 0 && aligned16(rows) && aligned16(out))
+          combine_kernel<row_t, weight_t, index_t, VEC><<<(unsigned)T, threads_for(H / VEC), 0, stream>>>(r, rp, w, o, P, K, H);
+        else
+          combine_kernel<row_t, weight_t, index_t, 1><<<(unsigned)T, threads_for(H), 0, stream>>>(r, rp, w, o, P, K, H);
+      });
+    });
+  });
+  LRMOE_LAUNCH_CHECK("unpermute");
+}
+
+}  // namespace lrmoe

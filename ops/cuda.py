@@ -1,0 +1,102 @@
+"""The CUDA side of the op API: loads the kernels of ``csrc/`` on first use and wraps them.
+
+Each function has the name, signature and results of its twin in ``reference.py`` (the
+specification); it allocates the outputs and calls the extension on the current stream. None of
+them synchronises with the host, except ``topk_retention``: its output length sum_g min(q_g, n_g)
+is data-dependent, so it reads one 3-element summary (that length and two input checks) back to
+the host, once, after all of its kernels have been queued.
+"""
+import importlib
+import threading
+from typing import Optional, Sequence
+
+import torch
+
+_ext = None
+_lock = threading.Lock()
+
+
+def load():
+    """The extension module: the ahead-of-time build (``LRMOE_BUILD_OPS=1``) if installed, else a
+    cached JIT build through DeepSpeed's op builder. Raises RuntimeError with the reason."""
+    global _ext
+    if _ext is not None:
+        return _ext
+    with _lock:
+        if _ext is None:
+            try:
+                _ext = importlib.import_module("._C", __package__)
+            except ImportError:
+                if not torch.cuda.is_available():
+                    raise RuntimeError("lrmoe_ds CUDA ops need a CUDA device; torch sees none")
+                from .builder import LRMoEOpBuilder
+                try:
+                    _ext = LRMoEOpBuilder().load(verbose=False)
+                except Exception as exc:
+                    raise RuntimeError(f"building the lrmoe_ds CUDA ops failed: {type(exc).__name__}: {exc}") from exc
+    return _ext
+
+
+def _long_on(t: torch.Tensor, device) -> torch.Tensor:
+    return t.reshape(-1).to(device=device, dtype=torch.long).contiguous()
+
+
+def routing_plan(group_of_pair: torch.Tensor, num_groups: int):
+    g = group_of_pair.reshape(-1).contiguous()
+    P = g.numel()
+    counts = torch.empty(num_groups, dtype=torch.long, device=g.device)
+    order = torch.empty(P, dtype=torch.long, device=g.device)
+    offsets = torch.empty(num_groups + 1, dtype=torch.long, device=g.device)
+    load().routing_plan(g, int(num_groups), counts, order, offsets)
+    return counts, order, offsets
+
+
+def permute(x: torch.Tensor, row_index: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
+    index = row_index.reshape(-1).contiguous()
+    if x.dim() != 2:
+        raise ValueError(f"permute: x must be [T, H], got shape {tuple(x.shape)}")
+    out = x.new_empty(index.numel(), x.shape[1])
+    load().permute(x, index, out)
+    return out
+
+
+def unpermute(rows: torch.Tensor, row_of_pair: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    rows, row_of_pair, weight = rows.contiguous(), row_of_pair.contiguous(), weight.contiguous()
+    if row_of_pair.dim() != 2 or rows.dim() != 2:
+        raise ValueError(f"unpermute: rows must be [P, H] and row_of_pair [T, K]; got {tuple(rows.shape)} "
+                         f"and {tuple(row_of_pair.shape)}")
+    out = rows.new_empty(row_of_pair.shape[0], rows.shape[1])
+    load().unpermute(rows, row_of_pair, weight, out)
+    return out
+
+
+def topk_retention(scores: torch.Tensor, group_sizes: torch.Tensor, quotas: torch.Tensor):
+    if scores.dim() != 1:
+        raise ValueError(f"topk_retention: scores must be [P], got shape {tuple(scores.shape)}")
+    scores = scores.contiguous()
+    dev = scores.device
+    sizes, quotas = _long_on(group_sizes, dev), _long_on(quotas, dev)
+    if sizes.numel() != quotas.numel():
+        raise ValueError(f"topk_retention: {quotas.numel()} quotas for {sizes.numel()} groups")
+    P, G = scores.numel(), sizes.numel()
+    kept = torch.empty(P, dtype=torch.long, device=dev)
+    kept_sizes = torch.empty(G, dtype=torch.long, device=dev)
+    threshold = torch.empty(G, dtype=scores.dtype, device=dev)
+    summary = torch.empty(3, dtype=torch.long, device=dev)
+    load().topk_retention(scores, sizes, quotas, kept, kept_sizes, threshold, summary)
+    # Host synchronisation (the only one in these ops): the kept count sizes the output.
+    n_kept, total, negative = summary.tolist()
+    if total != P:
+        raise ValueError(f"topk_retention: {P} scores for groups summing to {total}")
+    if negative:
+        raise ValueError("topk_retention: quotas must be >= 0")
+    return kept[:n_kept], kept_sizes, threshold
+
+
+def capacity_route(pair_group, pair_rank, instance_group, instance_rank, instance_capacity) -> torch.Tensor:
+    dev = pair_group.device
+    args = [_long_on(t, dev) for t in (pair_group, pair_rank, instance_group, instance_rank, instance_capacity)]
+    out = torch.empty(args[0].numel(), dtype=torch.long, device=dev)
+    load().capacity_route(*args, out)
+    return out
