@@ -1,0 +1,466 @@
+"""Train a small byte-level Mixture-of-Experts language model built from LRMoE layers.
+
+Launch with the DeepSpeed launcher, as any DeepSpeed job:
+
+    deepspeed --num_gpus 2 train.py --deepspeed_config ds_configs/cpu_ep2.json   # 2 CPU ranks, gloo
+    deepspeed --num_gpus 1 train.py --deepspeed_config ds_configs/h200.json
+
+Data: by default the Python standard library's own source files (present on every machine with
+Python, no download), split into training and held-out text by file; ``--data`` takes your own text
+files or folders instead. The vocabulary is the 256 byte values; losses are in nats per byte.
+
+Each optimizer step consumes one global batch of ``train_batch_size`` windows of ``seq_len + 1``
+bytes; data-parallel rank r reads its own slice of every micro-step's share of it. The order of the
+windows depends only on ``--seed`` and the step, so a resumed run (``--resume``) reads exactly what
+the uninterrupted run would have read.
+
+Logged through DeepSpeed's monitor (the config's ``csv_monitor``, ``tensorboard``, ``wandb``):
+``Train/loss`` (LM cross-entropy, nats/byte), ``Train/aux_loss``, ``Train/lr``,
+``Train/tokens_per_s``, ``Load/layer<i>/max_over_mean`` and ``Load/layer<i>/expert<e>`` (fraction of
+the routed token-expert pairs that went to expert e, summed over all ranks since the last log), and
+``Eval/loss`` (held-out nats/byte).
+"""
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import sysconfig
+import time
+import zlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import deepspeed
+import deepspeed.comm as dist
+
+# --------------------------------------------------------------------------------------------------
+# The MoE implementation: the only place that knows which MoE layer and which initialize is used.
+# --------------------------------------------------------------------------------------------------
+
+
+class SwiGLU(nn.Module):
+    """Expert MLP for the DeepSpeed baseline: x [T, H] -> [T, H] through F = ffn hidden units."""
+
+    def __init__(self, hidden, ffn):
+        super().__init__()
+        self.w_gate = nn.Linear(hidden, ffn, bias=False)
+        self.w_up = nn.Linear(hidden, ffn, bias=False)
+        self.w_down = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+def make_moe(args):
+    """One MoE FFN layer: a module whose forward maps x [B, S, H] to (y [B, S, H], l_aux, exp_counts [E])."""
+    if args.moe_impl == "lrmoe":
+        import lrmoe_ds
+        return lrmoe_ds.LRMoE(hidden_size=args.hidden, num_experts=args.experts, ep_size=args.ep_size,
+                              k=args.top_k, ffn_hidden_size=args.ffn, activation="swiglu")
+    from deepspeed.moe.layer import MoE
+    moe = MoE(hidden_size=args.hidden, expert=SwiGLU(args.hidden, args.ffn), num_experts=args.experts,
+              ep_size=args.ep_size, k=args.top_k, drop_tokens=False, use_rts=False,
+              top2_2nd_expert_sampling=False)
+    # DeepSpeed deep-copies one expert module: give each expert its own initial weights, seeded by
+    # its global index so that the model is the same whatever ep_size is.
+    local = moe.deepspeed_moe.experts.deepspeed_experts
+    ep_rank = dist.get_rank() % args.ep_size if args.ep_size > 1 else 0  # ranks [0, ep) form group 0
+    for i, expert in enumerate(local):
+        g = torch.Generator().manual_seed(args.seed * 7919 + 1 + ep_rank * len(local) + i)
+        for p in expert.parameters():
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    return moe
+
+
+def initialize(args, model, config):
+    """deepspeed.initialize with DeepSpeed's MoE parameter groups; returns (engine, optimizer, scheduler)."""
+    if args.moe_impl == "lrmoe":
+        import lrmoe_ds
+        engine, optimizer, _, scheduler = lrmoe_ds.initialize(args=args, model=model, config=config)
+        return engine, optimizer, scheduler
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        {"params": [p for p in model.parameters() if p.requires_grad], "name": "params"})
+    engine, optimizer, _, scheduler = deepspeed.initialize(args=args, model=model, model_parameters=groups,
+                                                           config=config)
+    return engine, optimizer, scheduler
+
+
+# --------------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention: x [B, S, H] -> [B, S, H]."""
+
+    def __init__(self, hidden, heads):
+        super().__init__()
+        assert hidden % heads == 0, f"--hidden {hidden} must be divisible by --heads {heads}"
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.out = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x):
+        B, S, H = x.shape
+        q, k, v = self.qkv(x).view(B, S, 3, self.heads, H // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, heads, S, H/heads]
+        return self.out(y.transpose(1, 2).reshape(B, S, H))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: attention, then the MoE FFN."""
+
+    def __init__(self, args):
+        super().__init__()
+        self.norm1 = nn.RMSNorm(args.hidden)
+        self.attn = Attention(args.hidden, args.heads)
+        self.norm2 = nn.RMSNorm(args.hidden)
+        self.moe = make_moe(args)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        y, l_aux, exp_counts = self.moe(self.norm2(x))
+        return x + y, l_aux, exp_counts
+
+
+class ByteMoELM(nn.Module):
+    """Decoder-only byte-level MoE LM. forward(idx [B, S], targets [B, S]) -> (lm_loss, aux_loss, exp_counts [L, E])."""
+
+    def __init__(self, args):
+        super().__init__()
+        self.embed = nn.Embedding(256, args.hidden)
+        self.pos = nn.Embedding(args.seq_len, args.hidden)
+        self.blocks = nn.ModuleList([Block(args) for _ in range(args.layers)])
+        self.norm = nn.RMSNorm(args.hidden)
+        self.head = None if args.tied_head else nn.Linear(args.hidden, 256, bias=False)
+        for name, p in self.named_parameters():
+            if "moe" not in name and p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+        for block in self.blocks:  # GPT-2 style scaling of the residual projections
+            nn.init.normal_(block.attn.out.weight, std=0.02 / math.sqrt(2 * args.layers))
+
+    def forward(self, idx, targets):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.embed(idx) + self.pos(pos)
+        aux, counts = [], []
+        for block in self.blocks:
+            x, l_aux, exp_counts = block(x)
+            aux.append(l_aux)
+            counts.append(exp_counts.to(device=idx.device, dtype=torch.float32))
+        x = self.norm(x)
+        logits = x @ self.embed.weight.t() if self.head is None else self.head(x)
+        lm_loss = F.cross_entropy(logits.float().view(-1, 256), targets.reshape(-1))
+        return lm_loss, torch.stack([a.float() for a in aux]).sum(), torch.stack(counts)
+
+
+# --------------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------------
+
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "encodings"}
+
+
+def list_files(paths):
+    """Text files under the given files/folders, as a sorted list of (name, path); default: the stdlib's .py files."""
+    if not paths:
+        root = sysconfig.get_paths()["stdlib"]
+        out = []
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
+            out += [(os.path.relpath(os.path.join(dirpath, f), root), os.path.join(dirpath, f))
+                    for f in filenames if f.endswith(".py")]
+        return sorted(out)
+    out = []
+    for path in paths:
+        if os.path.isdir(path):
+            for dirpath, dirnames, filenames in os.walk(path):
+                dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+                out += [(os.path.join(dirpath, f), os.path.join(dirpath, f)) for f in filenames]
+        elif os.path.isfile(path):
+            out.append((path, path))
+        else:
+            raise FileNotFoundError(f"--data: no such file or folder: {path}")
+    return sorted(out)
+
+
+def load_corpus(paths, train_bytes, val_bytes, val_every):
+    """Read the corpus and split it by file: every val_every-th file of a seeded shuffle is held out.
+
+    Files are read in a fixed shuffled order (seed 0 over the sorted list) until each split has its
+    byte budget. Returns (train, val) as uint8 tensors and a short description.
+    """
+    files = list_files(paths)
+    random.Random(0).shuffle(files)
+    train, val, n_train, n_val = [], [], 0, 0
+    for i, (name, path) in enumerate(files):
+        to_val = len(files) > 1 and i % val_every == 0
+        if (to_val and n_val >= val_bytes) or (not to_val and n_train >= train_bytes):
+            if n_val >= val_bytes and n_train >= train_bytes:
+                break
+            continue
+        with open(path, "rb") as f:
+            data = f.read()
+        if b"\0" in data[:4096]:  # binary, not text
+            continue
+        (val if to_val else train).append(data)
+        if to_val:
+            n_val += len(data)
+        else:
+            n_train += len(data)
+    train = b"".join(train)[:train_bytes]
+    val = b"".join(val)[:val_bytes]
+    desc = (f"{'stdlib ' + sysconfig.get_paths()['stdlib'] if not paths else ' '.join(paths)}: "
+            f"{len(train)} training bytes, {len(val)} held-out bytes, crc32 {zlib.crc32(train + val):08x}")
+    to_tensor = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8)  # noqa: E731
+    return to_tensor(train), to_tensor(val), desc
+
+
+class WindowSampler:
+    """Window g of the training stream, for any global sample index g, by a seeded per-epoch permutation.
+
+    The stream is cut into N = (len - 1) // seq_len windows of seq_len + 1 bytes (inputs and shifted
+    targets); epoch e visits them in the order of a permutation seeded by (seed, e).
+    """
+
+    def __init__(self, data, seq_len, seed):
+        self.data, self.seq_len, self.seed = data, seq_len, seed
+        self.n = (len(data) - 1) // seq_len
+        assert self.n > 0, f"training text ({len(data)} bytes) is shorter than one window of {seq_len + 1}"
+        self._perm_epoch, self._perm = None, None
+
+    def windows(self, start, count):
+        """Windows start .. start+count-1 as int64 [count, seq_len + 1]."""
+        rows = []
+        for g in range(start, start + count):
+            epoch, i = divmod(g, self.n)
+            if epoch != self._perm_epoch:
+                gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                self._perm, self._perm_epoch = torch.randperm(self.n, generator=gen), epoch
+            j = int(self._perm[i]) * self.seq_len
+            rows.append(self.data[j:j + self.seq_len + 1])
+        return torch.stack(rows).long()
+
+
+# --------------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------------
+
+TRAIN_PY_KEY = "train_py"  # ds_config block of defaults for this script's flags
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", -1)))
+    p.add_argument("--steps", type=int, default=400, help="optimizer steps in all; the LR schedule spans them")
+    p.add_argument("--eval_every", type=int, default=100, help="held-out evaluation every N steps (0: start and end only)")
+    p.add_argument("--eval_bytes", type=int, default=64 << 10, help="held-out bytes evaluated each time")
+    p.add_argument("--log_every", type=int, default=10, help="monitor events every N steps")
+    p.add_argument("--save_dir", default="checkpoints", help="checkpoint folder ('' to save nothing)")
+    p.add_argument("--save_every", type=int, default=0, help="checkpoint every N steps (0: at the end only)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save_dir")
+    p.add_argument("--stop_at", type=int, default=None,
+                   help="stop (and save) at this step as an interrupted run would; the LR schedule still spans --steps")
+    p.add_argument("--summary_json", default=None, help="write the run's summary here as JSON (rank 0)")
+    p.add_argument("--data", nargs="+", default=None, help="text files or folders (default: the stdlib's sources)")
+    p.add_argument("--train_bytes", type=int, default=4 << 20, help="training text budget in bytes")
+    p.add_argument("--val_bytes", type=int, default=256 << 10, help="held-out text budget in bytes")
+    p.add_argument("--val_every", type=int, default=10, help="every N-th file (shuffled order) is held out")
+    p.add_argument("--seq_len", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--ffn", type=int, default=256, help="hidden units of each expert")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top_k", type=int, default=2)
+    p.add_argument("--ep_size", type=int, default=None,
+                   help="expert-parallel size (default: gcd(world size, --experts), as much as they allow)")
+    p.add_argument("--aux_loss_coef", type=float, default=0.01)
+    p.add_argument("--tied_head", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--moe_impl", choices=["lrmoe", "deepspeed"], default="lrmoe",
+                   help="lrmoe: lrmoe_ds.LRMoE (the default); deepspeed: deepspeed.moe.layer.MoE, dropless (baseline)")
+    p.add_argument("--seed", type=int, default=1234)
+    return deepspeed.add_config_arguments(p)
+
+
+def parse_args(argv=None):
+    """Flags; the ds_config's optional "train_py" block (flag names without dashes) sets their defaults."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.deepspeed_config:
+        with open(args.deepspeed_config) as f:
+            block = json.load(f).get(TRAIN_PY_KEY, {})
+        known = {a.dest for a in p._actions}
+        unknown = sorted(set(block) - known)
+        if unknown:
+            p.error(f'unknown key(s) {unknown} in the ds_config\'s "{TRAIN_PY_KEY}" block; they are train.py flags')
+        p.set_defaults(**block)
+        args = p.parse_args(argv)
+    return args
+
+
+def load_config(args):
+    """The ds_config as a dict, without the "train_py" block; the LR schedule's length follows --steps."""
+    with open(args.deepspeed_config) as f:
+        config = json.load(f)
+    config.pop(TRAIN_PY_KEY, None)
+    sched = config.get("scheduler", {})
+    if sched.get("type") in ("WarmupCosineLR", "WarmupDecayLR"):
+        params = sched.setdefault("params", {})
+        params["total_num_steps"] = args.steps
+        params["warmup_num_steps"] = min(params.get("warmup_num_steps", 0), max(1, args.steps // 5))
+    return config
+
+
+@torch.no_grad()
+def evaluate(engine, val, args):
+    """Held-out LM loss in nats/byte over the first --eval_bytes of the held-out text, sharded over ranks.
+
+    Every rank runs the same number of batches (the MoE layers communicate).
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    bs = engine.train_micro_batch_size_per_gpu()
+    n = min(len(val), args.eval_bytes) - 1
+    windows = val[:n // args.seq_len * args.seq_len + 1]
+    count = (len(windows) - 1) // args.seq_len
+    per_batch = world * bs
+    count = count // per_batch * per_batch
+    assert count > 0, f"held-out text too short for one eval batch of {per_batch} x {args.seq_len + 1} bytes"
+    engine.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=engine.device)
+    for b in range(rank * bs, count, per_batch):
+        rows = torch.stack([windows[i * args.seq_len:(i + 1) * args.seq_len + 1] for i in range(b, b + bs)]).long()
+        rows = rows.to(engine.device)
+        lm, _, _ = engine(rows[:, :-1], rows[:, 1:])
+        total += torch.tensor([lm.item() * rows[:, 1:].numel(), rows[:, 1:].numel()], dtype=torch.float64,
+                              device=engine.device)
+    dist.all_reduce(total)
+    engine.train()
+    return (total[0] / total[1]).item()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    deepspeed.init_distributed()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if args.ep_size is None:
+        args.ep_size = math.gcd(world, args.experts)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+
+    train_data, val_data, desc = load_corpus(args.data, args.train_bytes, args.val_bytes, args.val_every)
+    sampler = WindowSampler(train_data, args.seq_len, args.seed)
+    model = ByteMoELM(args)
+    config = load_config(args)
+    args.deepspeed_config = None  # passed as a dict below
+    engine, _, _ = initialize(args, model, config)
+    dev = engine.device
+    assert engine.dp_world_size == world, "train.py supports data and expert parallelism only"
+    mb, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    global_batch = mb * gas * world
+    n_params = sum(p.numel() for p in model.parameters())
+    log = print if rank == 0 else (lambda *a, **k: None)
+    log(f"data: {desc}")
+    log(f"model: {args.layers} layers, hidden {args.hidden}, {args.experts} experts (ffn {args.ffn}, top-{args.top_k}), "
+        f"ep_size {args.ep_size}, {args.moe_impl}; {n_params} parameters on rank 0; world {world}, "
+        f"global batch {global_batch} x {args.seq_len} bytes (micro {mb}, accumulation {gas})")
+
+    step = 0
+    if args.resume:
+        path, client = engine.load_checkpoint(args.save_dir)
+        if path is None:
+            raise FileNotFoundError(f"--resume: no checkpoint in {args.save_dir!r}")
+        step = client["step"]
+        if client.get("global_batch") != global_batch or client.get("seq_len") != args.seq_len:
+            log(f"warning: the checkpoint was trained with global batch {client.get('global_batch')} x "
+                f"{client.get('seq_len')}; the data position is kept as a step count")
+        log(f"resumed from {path} at step {step}")
+
+    def save(step):
+        if args.save_dir:
+            engine.save_checkpoint(args.save_dir, tag=f"step{step}",
+                                   client_state={"step": step, "global_batch": global_batch, "seq_len": args.seq_len})
+
+    def write(events):
+        if engine.monitor.enabled:
+            engine.monitor.write_events(events)
+
+    start_step, t_start = step, time.time()
+    start_loss = evaluate(engine, val_data, args)
+    log(f"step {step}: held-out loss {start_loss:.4f} nats/byte")
+    t_train = time.time()
+    write([("Eval/loss", start_loss, step)])
+    evals = [(step, start_loss)]
+
+    from tqdm import tqdm
+    bar = tqdm(total=args.steps, initial=step, disable=rank != 0, dynamic_ncols=True, desc="train")
+    acc = torch.zeros(2, device=dev)  # summed lm loss, aux loss over micro-steps since the last log
+    acc_counts, acc_micro, t_log, step_log = None, 0, time.time(), step
+    stop = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
+    eval_time = 0.0
+    while step < stop:
+        for m in range(gas):
+            first = step * global_batch + m * mb * world + rank * mb
+            rows = sampler.windows(first, mb).to(dev)
+            lm, aux, counts = engine(rows[:, :-1], rows[:, 1:])
+            engine.backward(lm + args.aux_loss_coef * aux)
+            engine.step()
+            acc += torch.stack([lm.detach().float(), aux.detach().float()])
+            acc_counts = counts if acc_counts is None else acc_counts + counts
+            acc_micro += 1
+        step += 1
+        bar.update(1)
+        if step % args.log_every == 0 or step == args.steps:
+            stats = torch.cat([acc / acc_micro, acc_counts.flatten()]).to(dev)
+            dist.all_reduce(stats)
+            lm_avg, aux_avg = (stats[:2] / world).tolist()
+            counts = stats[2:].view(args.layers, args.experts).cpu()
+            frac = counts / counts.sum(dim=1, keepdim=True).clamp(min=1)
+            tok_s = (step - step_log) * global_batch * args.seq_len / (time.time() - t_log)
+            events = [("Train/loss", lm_avg, step), ("Train/aux_loss", aux_avg, step),
+                      ("Train/lr", engine.get_lr()[0], step), ("Train/tokens_per_s", tok_s, step)]
+            for layer in range(args.layers):
+                events.append((f"Load/layer{layer}/max_over_mean", (frac[layer].max() * args.experts).item(), step))
+                events += [(f"Load/layer{layer}/expert{e}", frac[layer, e].item(), step) for e in range(args.experts)]
+            write(events)
+            bar.set_postfix(loss=f"{lm_avg:.3f}", tok_s=f"{tok_s:.0f}",
+                            load=f"{(frac.max(dim=1).values * args.experts).max().item():.2f}")
+            acc.zero_()
+            acc_counts, acc_micro, t_log, step_log = None, 0, time.time(), step
+        if args.eval_every and step % args.eval_every == 0 and step < stop:
+            t_eval = time.time()
+            loss = evaluate(engine, val_data, args)
+            eval_time += time.time() - t_eval
+            evals.append((step, loss))
+            bar.write(f"step {step}: held-out loss {loss:.4f} nats/byte") if rank == 0 else None
+            write([("Eval/loss", loss, step)])
+        if args.save_every and step % args.save_every == 0 and step < stop:
+            save(step)
+    bar.close()
+    train_time = time.time() - t_train - eval_time
+    end_loss = evaluate(engine, val_data, args) if step > start_step or not evals else start_loss
+    if evals[-1][0] != step:
+        evals.append((step, end_loss))
+        write([("Eval/loss", end_loss, step)])
+    save(step)
+    tokens = (step - start_step) * global_batch * args.seq_len
+    wall = time.time() - t_start
+    summary = {"start_step": start_step, "end_step": step, "start_loss": start_loss, "end_loss": end_loss,
+               "evals": evals, "seconds": wall, "train_seconds": train_time, "tokens": tokens,
+               "tokens_per_s": tokens / max(train_time, 1e-9),
+               "world": world, "ep_size": args.ep_size, "moe_impl": args.moe_impl}
+    log(f"final: held-out loss {start_loss:.4f} -> {end_loss:.4f} nats/byte (step {start_step} -> {step}), "
+        f"{tokens} tokens, {wall:.0f} s ({tokens / max(train_time, 1e-9):.0f} tokens/s in training)")
+    if rank == 0 and args.summary_json:
+        with open(args.summary_json, "w") as f:
+            json.dump(summary, f, indent=1)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
