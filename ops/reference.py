@@ -179,7 +179,7 @@ def capacity_route(pair_group: torch.Tensor, pair_rank: torch.Tensor, instance_g
         # water-fill: greedy one-at-a-time to the most spare instance gives these counts
         takes = torch.zeros(insts.numel(), dtype=torch.long)
         s = spare[insts].clone()
-        while left and int(s.max()) > 0:
+        while left and s.numel() and int(s.max()) > 0:  # no instance of e: all its pairs stay -1
             j = int(torch.argmax(s))  # first maximum: lowest instance index
             takes[j] += 1
             s[j] -= 1
