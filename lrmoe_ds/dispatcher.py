@@ -133,11 +133,11 @@ class AllToAllDispatcher:
         if self.ep_group is None:
             raise RuntimeError("ep_size > 1 but the layer has no expert-parallel group: build the model's "
                                "engine with lrmoe_ds.initialize (or deepspeed.initialize) first")
-        all_counts = counts.new_empty(R, E)
+        all_counts = counts.new_empty(R * E)
         COLLECTIVE_CALLS["all_gather"] += 1
         dist.all_gather_into_tensor(all_counts, counts.contiguous(), group=self.ep_group)
         # the one host read of the forward: the all-to-all's split sizes
-        all_counts = all_counts.cpu()
+        all_counts = all_counts.cpu().view(R, E)
         rank = dist.get_rank(self.ep_group)
         mine = all_counts[:, rank * El:(rank + 1) * El]                      # [R, E_l] rows from each rank
         send_splits = all_counts[rank].view(R, El).sum(1).tolist()
