@@ -84,7 +84,7 @@ class LRMoEOpBuilder(CUDAOpBuilder):
         return ["-O3", cxx_std(), "--expt-relaxed-constexpr", "-U__CUDA_NO_HALF_OPERATORS__",
                 "-U__CUDA_NO_HALF_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__",
                 "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
-                "-U__CUDA_NO_BFLOAT162_OPERATORS__", "-DCUTLASS_ENABLE_TENSOR_CORE_MMA=1", "-lineinfo",
+                "-U__CUDA_NO_BFLOAT162_OPERATORS__", "-DCUTLASS_ENABLE_TENSOR_CORE_MMA=1", "-DNDEBUG", "-lineinfo",
                 f"--threads={min(os.cpu_count() or 1, 4)}"] + self.compute_capability_args()
 
     def cxx_args(self):

@@ -2,7 +2,8 @@
 
 Each function has the name, signature and results of its twin in ``reference.py`` (the
 specification); it allocates the outputs and calls the extension on the current stream. None of
-them synchronises with the host, except ``topk_retention``: its output length sum_g min(q_g, n_g)
+them synchronises with the host (pass group sizes as CUDA tensors: a host tensor is copied over),
+except ``topk_retention``: its output length sum_g min(q_g, n_g)
 is data-dependent, so it reads one 3-element summary (that length and two input checks) back to
 the host, once, after all of its kernels have been queued.
 """
@@ -11,6 +12,8 @@ import threading
 from typing import Optional, Sequence
 
 import torch
+
+from . import reference
 
 _ext = None
 _lock = threading.Lock()
@@ -100,3 +103,44 @@ def capacity_route(pair_group, pair_rank, instance_group, instance_rank, instanc
     out = torch.empty(args[0].numel(), dtype=torch.long, device=dev)
     load().capacity_route(*args, out)
     return out
+
+
+_FWD, _DGRAD, _WGRAD = 0, 1, 2
+
+
+def _contiguous(ts: Sequence[torch.Tensor]):
+    return [t if t.is_contiguous() else t.contiguous() for t in ts]
+
+
+def grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], group_sizes: torch.Tensor) -> torch.Tensor:
+    reference._check_groups(x, weights, group_sizes, dim=1)
+    x = x.contiguous()
+    out = x.new_empty(x.shape[0], weights[0].shape[0])
+    load().grouped_gemm(_FWD, x, None, _contiguous(weights), _long_on(group_sizes, x.device), out, False)
+    return out
+
+
+def grouped_linear_dgrad(dy: torch.Tensor, weights: Sequence[torch.Tensor], group_sizes: torch.Tensor) -> torch.Tensor:
+    reference._check_groups(dy, weights, group_sizes, dim=0)
+    dy = dy.contiguous()
+    out = dy.new_empty(dy.shape[0], weights[0].shape[1])
+    load().grouped_gemm(_DGRAD, dy, None, _contiguous(weights), _long_on(group_sizes, dy.device), out, False)
+    return out
+
+
+def grouped_linear_wgrad(dy: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor,
+                         out: Optional[Sequence[torch.Tensor]] = None, accumulate: bool = False):
+    if dy.shape[0] != x.shape[0]:
+        raise ValueError(f"grouped_linear_wgrad: dy has {dy.shape[0]} rows but x has {x.shape[0]}")
+    G = group_sizes.numel()
+    if out is None:  # every gradient is written (empty groups get zeros): no need to zero them first
+        out = [dy.new_empty(dy.shape[1], x.shape[1]) for _ in range(G)]
+        accumulate = False
+    elif len(out) != G:
+        raise ValueError(f"grouped_linear_wgrad: {len(out)} output tensors for {G} groups")
+    for g, t in enumerate(out):
+        if not t.is_contiguous():
+            raise ValueError(f"grouped_linear_wgrad: output tensor {g} is not contiguous")
+    load().grouped_gemm(_WGRAD, dy.contiguous(), x.contiguous(), list(out), _long_on(group_sizes, dy.device), None,
+                        bool(accumulate))
+    return list(out)

@@ -8,4 +8,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unpermute", &lrmoe::unpermute_op, "weighted combine out[t] = sum_k w[t,k] rows[row_of_pair[t,k]]");
   m.def("topk_retention", &lrmoe::topk_retention_op, "quota-aware top-k retention per group");
   m.def("capacity_route", &lrmoe::capacity_route_op, "assign retained pairs to instances under capacities");
+  m.def("grouped_gemm", &lrmoe::grouped_gemm_op, "segmented GEMM: pass 0 forward, 1 dgrad, 2 wgrad",
+        pybind11::arg("pass"), pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("group_tensors"),
+        pybind11::arg("group_sizes"), pybind11::arg("out"), pybind11::arg("accumulate"),
+        pybind11::arg("allow_cutlass") = true);
 }

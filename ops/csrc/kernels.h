@@ -51,3 +51,21 @@ size_t capacity_route(const void* pair_group, const void* pair_rank, IType ptype
   } while (0)
 #define LRMOE_CUDA_CHECK(expr) ::lrmoe::cuda_check((expr), #expr)
 #define LRMOE_LAUNCH_CHECK(what) ::lrmoe::cuda_check(cudaGetLastError(), what)
+
+namespace lrmoe {
+
+// Segmented GEMM over G groups of rows, nn.Linear layout (weights [N, K]):
+//   kFwd:   out[M, N] rows of group g = a[M, K] rows of g  @ W_g^T        (W_g = group_ptrs[g])
+//   kDgrad: out[M, K] rows of group g = a[M, N] rows of g  @ W_g
+//   kWgrad: D_g [N, K] (+)= a[M, N] rows of g ^T @ b[M, K] rows of g       (D_g = group_ptrs[g])
+// group_sizes: device int64 [G] (sum = M; rows past the sum are not written). `group_ptrs` is a host
+// array (it travels to the device as kernel parameters: no copy, no synchronisation). fp32 accumulation.
+enum class GemmPass : int { kFwd = 0, kDgrad = 1, kWgrad = 2 };
+size_t grouped_gemm(GemmPass pass, DType dtype, DType out_dtype, int64_t M, int64_t N, int64_t K, int64_t G,
+                    const void* a, const void* b, const void* const* group_ptrs, const int64_t* group_sizes,
+                    void* out, bool accumulate, bool allow_cutlass, void* temp, size_t temp_bytes, cudaStream_t stream);
+// Which path grouped_gemm takes for these arguments: true for the CUTLASS (TMA, wgmma) kernel.
+bool grouped_gemm_uses_cutlass(GemmPass pass, DType dtype, DType out_dtype, int64_t N, int64_t K, int64_t G,
+                               const void* a, const void* b, const void* const* group_ptrs, const void* out);
+
+}  // namespace lrmoe

@@ -10,17 +10,17 @@ namespace lrmoe {
 namespace {
 
 void check_cuda(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got one on ", t.device());
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  LRMOE_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got one on ", t.device());
+  LRMOE_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 void check_out(const at::Tensor& t, at::IntArrayRef shape, at::ScalarType dtype, const at::Tensor& like,
                const char* name) {
-  TORCH_CHECK(t.sizes() == shape && t.scalar_type() == dtype && t.is_contiguous() && t.device() == like.device(),
+  LRMOE_CHECK(t.sizes() == shape && t.scalar_type() == dtype && t.is_contiguous() && t.device() == like.device(),
               name, " must be a contiguous ", dtype, " tensor of shape ", shape, " on ", like.device(), "; got ",
               t.scalar_type(), " ", t.sizes(), " on ", t.device());
 }
 IType itype_of(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, name, " must be int32 or int64, got ",
+  LRMOE_CHECK(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, name, " must be int32 or int64, got ",
               t.scalar_type());
   return t.scalar_type() == at::kLong ? IType::kI64 : IType::kI32;
 }
@@ -29,7 +29,7 @@ DType dtype_of(const at::Tensor& t, const char* name) {
     case at::kFloat: return DType::kF32;
     case at::kHalf: return DType::kF16;
     case at::kBFloat16: return DType::kBF16;
-    default: TORCH_CHECK(false, name, " must be float32, float16 or bfloat16, got ", t.scalar_type());
+    default: LRMOE_CHECK(false, name, " must be float32, float16 or bfloat16, got ", t.scalar_type());
   }
 }
 at::Tensor scratch(size_t bytes, const at::Tensor& like) {
@@ -45,9 +45,9 @@ void routing_plan_op(const at::Tensor& group_of_pair, int64_t num_groups, at::Te
   check_cuda(group_of_pair, "routing_plan: group_of_pair");
   const IType it = itype_of(group_of_pair, "routing_plan: group_of_pair");
   const int64_t P = group_of_pair.numel();
-  TORCH_CHECK(num_groups >= 1 && num_groups <= (int64_t(1) << 31), "routing_plan: num_groups must be in [1, 2^31], got ",
+  LRMOE_CHECK(num_groups >= 1 && num_groups <= (int64_t(1) << 31), "routing_plan: num_groups must be in [1, 2^31], got ",
               num_groups);
-  TORCH_CHECK(P <= kMaxPairs, "routing_plan: at most 2^31-1 pairs, got ", P);
+  LRMOE_CHECK(P <= kMaxPairs, "routing_plan: at most 2^31-1 pairs, got ", P);
   check_out(counts, {num_groups}, at::kLong, group_of_pair, "routing_plan: counts");
   check_out(order, {P}, at::kLong, group_of_pair, "routing_plan: order");
   check_out(offsets, {num_groups + 1}, at::kLong, group_of_pair, "routing_plan: offsets");
@@ -64,8 +64,8 @@ void routing_plan_op(const at::Tensor& group_of_pair, int64_t num_groups, at::Te
 void permute_op(const at::Tensor& x, const at::Tensor& row_index, at::Tensor& out) {
   check_cuda(x, "permute: x");
   check_cuda(row_index, "permute: row_index");
-  TORCH_CHECK(x.dim() == 2, "permute: x must be [T, H], got shape ", x.sizes());
-  TORCH_CHECK(row_index.dim() == 1, "permute: row_index must be [P], got shape ", row_index.sizes());
+  LRMOE_CHECK(x.dim() == 2, "permute: x must be [T, H], got shape ", x.sizes());
+  LRMOE_CHECK(row_index.dim() == 1, "permute: row_index must be [P], got shape ", row_index.sizes());
   const IType it = itype_of(row_index, "permute: row_index");
   const int64_t P = row_index.numel();
   check_out(out, {P, x.size(1)}, x.scalar_type(), x, "permute: out");
@@ -77,14 +77,14 @@ void unpermute_op(const at::Tensor& rows, const at::Tensor& row_of_pair, const a
   check_cuda(rows, "unpermute: rows");
   check_cuda(row_of_pair, "unpermute: row_of_pair");
   check_cuda(weight, "unpermute: weight");
-  TORCH_CHECK(rows.dim() == 2, "unpermute: rows must be [P, H], got shape ", rows.sizes());
-  TORCH_CHECK(row_of_pair.dim() == 2 && weight.sizes() == row_of_pair.sizes(),
+  LRMOE_CHECK(rows.dim() == 2, "unpermute: rows must be [P, H], got shape ", rows.sizes());
+  LRMOE_CHECK(row_of_pair.dim() == 2 && weight.sizes() == row_of_pair.sizes(),
               "unpermute: row_of_pair and weight must both be [T, K]; got ", row_of_pair.sizes(), " and ",
               weight.sizes());
   const IType it = itype_of(row_of_pair, "unpermute: row_of_pair");
   const DType rt = dtype_of(rows, "unpermute: rows"), wt = dtype_of(weight, "unpermute: weight");
   const int64_t T = row_of_pair.size(0), H = rows.size(1);
-  TORCH_CHECK(T < (int64_t(1) << 31), "unpermute: at most 2^31-1 tokens");
+  LRMOE_CHECK(T < (int64_t(1) << 31), "unpermute: at most 2^31-1 tokens");
   check_out(out, {T, H}, rows.scalar_type(), rows, "unpermute: out");
   const c10::cuda::CUDAGuard guard(rows.device());
   unpermute(rows.data_ptr(), rt, rows.size(0), H, row_of_pair.data_ptr(), it, weight.data_ptr(), wt, T,
@@ -96,12 +96,12 @@ void topk_retention_op(const at::Tensor& scores, const at::Tensor& group_sizes, 
   check_cuda(scores, "topk_retention: scores");
   check_cuda(group_sizes, "topk_retention: group_sizes");
   check_cuda(quotas, "topk_retention: quotas");
-  TORCH_CHECK(scores.dim() == 1, "topk_retention: scores must be [P], got shape ", scores.sizes());
-  TORCH_CHECK(group_sizes.scalar_type() == at::kLong && quotas.scalar_type() == at::kLong,
+  LRMOE_CHECK(scores.dim() == 1, "topk_retention: scores must be [P], got shape ", scores.sizes());
+  LRMOE_CHECK(group_sizes.scalar_type() == at::kLong && quotas.scalar_type() == at::kLong,
               "topk_retention: group_sizes and quotas must be int64");
   const int64_t P = scores.numel(), G = group_sizes.numel();
-  TORCH_CHECK(quotas.numel() == G, "topk_retention: ", quotas.numel(), " quotas for ", G, " groups");
-  TORCH_CHECK(P <= kMaxPairs, "topk_retention: at most 2^31-1 pairs, got ", P);
+  LRMOE_CHECK(quotas.numel() == G, "topk_retention: ", quotas.numel(), " quotas for ", G, " groups");
+  LRMOE_CHECK(P <= kMaxPairs, "topk_retention: at most 2^31-1 pairs, got ", P);
   const DType st = dtype_of(scores, "topk_retention: scores");
   check_out(kept, {P}, at::kLong, scores, "topk_retention: kept");
   check_out(kept_sizes, {G}, at::kLong, scores, "topk_retention: kept_sizes");
@@ -126,14 +126,14 @@ void capacity_route_op(const at::Tensor& pair_group, const at::Tensor& pair_rank
       {&instance_capacity, "capacity_route: instance_capacity"}};
   for (const auto& [t, name] : all) {
     check_cuda(*t, name);
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1, name, " must be a 1-d int64 tensor");
+    LRMOE_CHECK(t->scalar_type() == at::kLong && t->dim() == 1, name, " must be a 1-d int64 tensor");
   }
   const int64_t P = pair_group.numel(), I = instance_group.numel();
-  TORCH_CHECK(pair_rank.numel() == P, "capacity_route: ", pair_rank.numel(), " pair ranks for ", P, " pairs");
-  TORCH_CHECK(instance_rank.numel() == I && instance_capacity.numel() == I,
+  LRMOE_CHECK(pair_rank.numel() == P, "capacity_route: ", pair_rank.numel(), " pair ranks for ", P, " pairs");
+  LRMOE_CHECK(instance_rank.numel() == I && instance_capacity.numel() == I,
               "capacity_route: instance_group, instance_rank and instance_capacity must have the same length");
-  TORCH_CHECK(P <= kMaxPairs, "capacity_route: at most 2^31-1 pairs, got ", P);
-  TORCH_CHECK(I <= 8192, "capacity_route: at most 8192 instances, got ", I);
+  LRMOE_CHECK(P <= kMaxPairs, "capacity_route: at most 2^31-1 pairs, got ", P);
+  LRMOE_CHECK(I <= 8192, "capacity_route: at most 8192 instances, got ", I);
   check_out(out, {P}, at::kLong, pair_group, "capacity_route: out");
   const c10::cuda::CUDAGuard guard(pair_group.device());
   auto args = [&](void* temp, size_t bytes) {

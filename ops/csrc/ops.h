@@ -4,9 +4,28 @@
 
 #include <torch/extension.h>
 
+#include <string>
+#include <type_traits>
 #include <vector>
 
 namespace lrmoe {
+
+// Error text built without std::ostream number formatting: on the GPU machine's image, streaming an
+// integer into torch's message stream from this extension crashed the process (strings did not), so
+// numbers, shapes, devices and dtypes are turned into strings here first.
+inline std::string msg_part(const std::string& s) { return s; }
+inline std::string msg_part(const char* s) { return s; }
+inline std::string msg_part(at::IntArrayRef shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
+}
+inline std::string msg_part(const c10::Device& d) { return d.str(); }
+inline std::string msg_part(at::ScalarType t) { return c10::toString(t); }
+template <typename T, typename = std::enable_if_t<std::is_integral_v<T>>>
+inline std::string msg_part(T v) { return std::to_string(v); }
+template <typename... A> std::string msg(const A&... parts) { return (std::string() + ... + msg_part(parts)); }
+#define LRMOE_CHECK(cond, ...) TORCH_CHECK(cond, ::lrmoe::msg(__VA_ARGS__))
 
 void routing_plan_op(const at::Tensor& group_of_pair, int64_t num_groups, at::Tensor& counts, at::Tensor& order,
                      at::Tensor& offsets);
@@ -16,5 +35,10 @@ void topk_retention_op(const at::Tensor& scores, const at::Tensor& group_sizes, 
                        at::Tensor& kept, at::Tensor& kept_sizes, at::Tensor& threshold, at::Tensor& summary);
 void capacity_route_op(const at::Tensor& pair_group, const at::Tensor& pair_rank, const at::Tensor& instance_group,
                        const at::Tensor& instance_rank, const at::Tensor& instance_capacity, at::Tensor& out);
+
+// pass 0 forward, 1 dgrad, 2 wgrad (kernels.h); returns whether the CUTLASS kernel ran.
+bool grouped_gemm_op(int64_t pass, const at::Tensor& a, const c10::optional<at::Tensor>& b,
+                     const std::vector<at::Tensor>& group_tensors, const at::Tensor& group_sizes,
+                     const c10::optional<at::Tensor>& out, bool accumulate, bool allow_cutlass);
 
 }  // namespace lrmoe

@@ -316,7 +316,10 @@ size_t capacity_route(const void* pair_group, const void* pair_rank, IType ptype
   LRMOE_LAUNCH_CHECK("capacity_route: local");
   bytes = key_bytes;
   LRMOE_CUDA_CHECK(cub::DeviceRadixSort::SortKeys(cub_temp, bytes, spill_in, spill_out, P, 0, 64, stream));
-  route_spill_kernel<<<(unsigned)I, 256, list_bytes + (I + 1) * sizeof(int64_t), stream>>>(spill_out, P, ig, I, spare,
+  const size_t spill_smem = list_bytes + (I + 1) * sizeof(int64_t);  // up to 96 KiB at I = 8192
+  if (spill_smem > 48 * 1024)
+    LRMOE_CUDA_CHECK(cudaFuncSetAttribute(route_spill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)spill_smem));
+  route_spill_kernel<<<(unsigned)I, 256, spill_smem, stream>>>(spill_out, P, ig, I, spare,
                                                                                           pair_instance);
   LRMOE_LAUNCH_CHECK("capacity_route: spill");
   return sc.used;

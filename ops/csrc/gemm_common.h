@@ -1,0 +1,23 @@
+// Shared by gemm.cu and the CUTLASS passes (gemm_*_bf16.cu), without the CUTLASS headers.
+#pragma once
+
+#include "device_utils.cuh"
+
+namespace lrmoe {
+
+constexpr int kPtrChunk = 256;  // group pointers passed per launch, as kernel parameters (2 KiB)
+struct PtrChunk {
+  const void* p[kPtrChunk];
+};
+
+namespace cutlass_gemm {  // one per pass, in gemm_<pass>_bf16.cu; scratch bytes when temp == nullptr
+#define LRMOE_CUTLASS_PASS(name)                                                                             \
+  size_t name(int64_t M, int64_t N, int64_t K, int64_t G, const void* a, const void* b,                     \
+              const void* const* group_ptrs, const int64_t* sizes, const int64_t* offsets, void* out,       \
+              bool accumulate, void* temp, size_t temp_bytes, cudaStream_t stream)
+LRMOE_CUTLASS_PASS(run_fwd);
+LRMOE_CUTLASS_PASS(run_dgrad);
+LRMOE_CUTLASS_PASS(run_wgrad);
+}  // namespace cutlass_gemm
+
+}  // namespace lrmoe

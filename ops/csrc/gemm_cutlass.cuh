@@ -1,0 +1,181 @@
+// The CUTLASS 3.x Hopper grouped GEMM (pointer-array, TMA, warp-specialised) used by the segmented
+// GEMM of gemm.cu. Each gemm_<pass>.cu instantiates one pass, so they compile in parallel.
+// Per-group problem shapes, pointers and strides are written on the device by setup_kernel from the
+// device group sizes; the problem shapes never visit the host.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/epilogue/thread/linear_combination.h>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/gemm/group_array_problem_shape.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+#include <cutlass/util/packed_stride.hpp>
+
+#include <cstdlib>
+
+#include "gemm_common.h"
+
+namespace lrmoe {
+
+namespace cutlass_gemm {
+using namespace cute;
+
+using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
+using Element = cutlass::bfloat16_t;
+constexpr int kAlign = 8;  // 16 bytes of bf16
+
+template <class LayoutA, class LayoutB, class TileShape, class ClusterShape, class KernelSchedule,
+          class EpilogueSchedule>
+struct Config {
+  using LayoutD = cutlass::layout::RowMajor;
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, Element, LayoutD*, kAlign, Element, LayoutD*,
+      kAlign, EpilogueSchedule, cutlass::epilogue::fusion::LinearCombination<Element, float>>::CollectiveOp;
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlign, Element, LayoutB*, kAlign, float,
+      TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      KernelSchedule>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+};
+
+using Cooperative = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+using CooperativeEpi = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+using Pingpong = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+using PingpongEpi = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+
+template <class Cfg>
+__global__ void setup_kernel(GemmPass pass, int64_t M, int64_t N, int64_t K, int64_t g0, int64_t count, PtrChunk ptrs,
+                             const int64_t* __restrict__ sizes, const int64_t* __restrict__ offsets,
+                             const Element* a, const Element* b, Element* out, ProblemShape::UnderlyingProblemShape* problems,
+                             const Element** pa, const Element** pb, const Element** pc, Element** pd,
+                             typename Cfg::StrideA* sa, typename Cfg::StrideB* sb, typename Cfg::StrideD* sd,
+                             typename Cfg::StrideA stride_a, typename Cfg::StrideB stride_b,
+                             typename Cfg::StrideD stride_d) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < count; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t g = g0 + i, off = offsets[g];
+    const int64_t m = max(int64_t(0), min(sizes[g], M - off));  // rows past M are never touched
+    Element* group = static_cast<Element*>(const_cast<void*>(ptrs.p[i]));
+    if (pass == GemmPass::kFwd) {
+      problems[g] = make_shape(int(m), int(N), int(K));
+      pa[g] = a + off * K;
+      pb[g] = group;
+      pd[g] = out + off * N;
+    } else if (pass == GemmPass::kDgrad) {
+      problems[g] = make_shape(int(m), int(K), int(N));
+      pa[g] = a + off * N;
+      pb[g] = group;
+      pd[g] = out + off * K;
+    } else {  // an empty group gets no tiles (its zeroing, if asked, is done by gemm.cu)
+      problems[g] = make_shape(m > 0 ? int(N) : 0, int(K), int(m));
+      pa[g] = a + off * N;
+      pb[g] = b + off * K;
+      pd[g] = group;
+    }
+    pc[g] = pd[g];
+    sa[g] = stride_a;
+    sb[g] = stride_b;
+    sd[g] = stride_d;
+  }
+}
+
+template <class Cfg>
+size_t run(GemmPass pass, int64_t M, int64_t N, int64_t K, int64_t G, const void* a, const void* b,
+           const void* const* group_ptrs, const int64_t* sizes, const int64_t* offsets, void* out, bool accumulate,
+           void* temp, size_t temp_bytes, cudaStream_t stream) {
+  using Gemm = typename Cfg::Gemm;
+  using SA = typename Cfg::StrideA;
+  using SB = typename Cfg::StrideB;
+  using SD = typename Cfg::StrideD;
+  Scratch sc(temp);
+  auto* problems = sc.take<ProblemShape::UnderlyingProblemShape>(G);
+  auto* pa = sc.take<const Element*>(G);
+  auto* pb = sc.take<const Element*>(G);
+  auto* pc = sc.take<const Element*>(G);
+  auto* pd = sc.take<Element*>(G);
+  auto* sa = sc.take<SA>(G);
+  auto* sb = sc.take<SB>(G);
+  auto* sd = sc.take<SD>(G);
+  // The GEMM of each pass in CUTLASS's (M, N, K): the strides do not depend on the group's rows.
+  const int gm = 1;  // a placeholder row count: packed strides of these layouts ignore it
+  SA stride_a; SB stride_b; SD stride_d;
+  if (pass == GemmPass::kFwd) {
+    stride_a = cutlass::make_cute_packed_stride(SA{}, make_shape(gm, int(K), 1));
+    stride_b = cutlass::make_cute_packed_stride(SB{}, make_shape(int(N), int(K), 1));
+    stride_d = cutlass::make_cute_packed_stride(SD{}, make_shape(gm, int(N), 1));
+  } else if (pass == GemmPass::kDgrad) {
+    stride_a = cutlass::make_cute_packed_stride(SA{}, make_shape(gm, int(N), 1));
+    stride_b = cutlass::make_cute_packed_stride(SB{}, make_shape(int(K), int(N), 1));
+    stride_d = cutlass::make_cute_packed_stride(SD{}, make_shape(gm, int(K), 1));
+  } else {
+    stride_a = cutlass::make_cute_packed_stride(SA{}, make_shape(int(N), gm, 1));
+    stride_b = cutlass::make_cute_packed_stride(SB{}, make_shape(int(K), gm, 1));
+    stride_d = cutlass::make_cute_packed_stride(SD{}, make_shape(int(N), int(K), 1));
+  }
+  cutlass::KernelHardwareInfo hw;
+  LRMOE_CUDA_CHECK(cudaGetDevice(&hw.device_id));
+  hw.sm_count = num_sms();
+  typename Gemm::Arguments args;
+  decltype(args.epilogue.thread) fusion;
+  fusion.alpha = 1.f;
+  fusion.beta = accumulate ? 1.f : 0.f;
+  fusion.alpha_ptr = nullptr;
+  fusion.beta_ptr = nullptr;
+  fusion.alpha_ptr_array = nullptr;
+  fusion.beta_ptr_array = nullptr;
+  fusion.dAlpha = {_0{}, _0{}, 0};
+  fusion.dBeta = {_0{}, _0{}, 0};
+  args = typename Gemm::Arguments{cutlass::gemm::GemmUniversalMode::kGrouped,
+                                  {int(G), problems, nullptr},
+                                  {pa, sa, pb, sb},
+                                  {fusion, accumulate ? pc : nullptr, sd, pd, sd},
+                                  hw};
+  // Tile order of the persistent scheduler (read per call, so benchmarks can compare):
+  // LRMOE_GEMM_RASTER=m|n (default m: consecutive tiles walk down M and share the weight tile),
+  // LRMOE_GEMM_SWIZZLE=1|2|4|8 (default 1).
+  const char* raster = std::getenv("LRMOE_GEMM_RASTER");
+  const char* swizzle = std::getenv("LRMOE_GEMM_SWIZZLE");
+  using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
+  args.scheduler.raster_order = (raster && raster[0] == 'n') ? Raster::AlongN : Raster::AlongM;
+  args.scheduler.max_swizzle_size = swizzle ? std::max(1, std::atoi(swizzle)) : 1;
+  const size_t workspace_bytes = Gemm::get_workspace_size(args);
+  void* workspace = sc.take<char>(workspace_bytes);
+  if (temp == nullptr) return sc.used;
+  if (temp_bytes < sc.used) throw std::runtime_error("grouped_gemm: scratch too small");
+
+  for (int64_t g0 = 0; g0 < G; g0 += kPtrChunk) {
+    PtrChunk chunk;
+    const int64_t count = std::min<int64_t>(kPtrChunk, G - g0);
+    for (int64_t i = 0; i < count; ++i) chunk.p[i] = group_ptrs[g0 + i];
+    setup_kernel<Cfg><<<1, kPtrChunk, 0, stream>>>(pass, M, N, K, g0, count, chunk, sizes, offsets,
+                                                   static_cast<const Element*>(a), static_cast<const Element*>(b),
+                                                   static_cast<Element*>(out), problems, pa, pb, pc, pd, sa, sb, sd,
+                                                   stride_a, stride_b, stride_d);
+    LRMOE_LAUNCH_CHECK("grouped_gemm: setup");
+  }
+  Gemm gemm;
+  cutlass::Status st = gemm.can_implement(args);
+  if (st != cutlass::Status::kSuccess)
+    throw std::runtime_error(std::string("grouped_gemm: CUTLASS cannot run these arguments: ") + cutlassGetStatusString(st));
+  st = gemm.initialize(args, workspace, stream);
+  if (st != cutlass::Status::kSuccess)
+    throw std::runtime_error(std::string("grouped_gemm: CUTLASS initialize failed: ") + cutlassGetStatusString(st));
+  st = gemm.run(stream);
+  if (st != cutlass::Status::kSuccess)
+    throw std::runtime_error(std::string("grouped_gemm: CUTLASS run failed: ") + cutlassGetStatusString(st));
+  LRMOE_LAUNCH_CHECK("grouped_gemm: CUTLASS kernel");
+  return sc.used;
+}
+
+}  // namespace cutlass_gemm
+}  // namespace lrmoe
