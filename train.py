@@ -14,6 +14,10 @@ bytes; data-parallel rank r reads its own slice of every micro-step's share of i
 windows depends only on ``--seed`` and the step, so a resumed run (``--resume``) reads exactly what
 the uninterrupted run would have read.
 
+The ds_config may carry a ``"train_py"`` block of defaults for this script's flags (flag names
+without dashes, e.g. ``{"layers": 8, "hidden": 512}``): ds_configs/h200.json sizes its model that way.
+Flags on the command line win.
+
 Logged through DeepSpeed's monitor (the config's ``csv_monitor``, ``tensorboard``, ``wandb``):
 ``Train/loss`` (LM cross-entropy, nats/byte), ``Train/aux_loss``, ``Train/lr``,
 ``Train/tokens_per_s``, ``Load/layer<i>/max_over_mean`` and ``Load/layer<i>/expert<e>`` (fraction of
@@ -190,16 +194,24 @@ def list_files(paths):
 
 
 def load_corpus(paths, train_bytes, val_bytes, val_every):
-    """Read the corpus and split it by file: every val_every-th file of a seeded shuffle is held out.
+    """Read the corpus and split it by file: every val_every-th file of a seeded shuffle is held out
+    (a single file: its tail).
 
     Files are read in a fixed shuffled order (seed 0 over the sorted list) until each split has its
     byte budget. Returns (train, val) as uint8 tensors and a short description.
     """
     files = list_files(paths)
+    if len(files) == 1:  # one file: hold out its tail
+        with open(files[0][1], "rb") as f:
+            data = f.read()
+        cut = len(data) - min(val_bytes, len(data) // 10)
+        train, val = data[:cut][:train_bytes], data[cut:]
+        desc = f"{files[0][0]}: {len(train)} training bytes, {len(val)} held-out bytes (its tail)"
+        return _as_tensor(train), _as_tensor(val), desc
     random.Random(0).shuffle(files)
     train, val, n_train, n_val = [], [], 0, 0
     for i, (name, path) in enumerate(files):
-        to_val = len(files) > 1 and i % val_every == 0
+        to_val = i % val_every == 0
         if (to_val and n_val >= val_bytes) or (not to_val and n_train >= train_bytes):
             if n_val >= val_bytes and n_train >= train_bytes:
                 break
@@ -217,8 +229,11 @@ def load_corpus(paths, train_bytes, val_bytes, val_every):
     val = b"".join(val)[:val_bytes]
     desc = (f"{'stdlib ' + sysconfig.get_paths()['stdlib'] if not paths else ' '.join(paths)}: "
             f"{len(train)} training bytes, {len(val)} held-out bytes, crc32 {zlib.crc32(train + val):08x}")
-    to_tensor = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8)  # noqa: E731
-    return to_tensor(train), to_tensor(val), desc
+    return _as_tensor(train), _as_tensor(val), desc
+
+
+def _as_tensor(data):
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
 
 
 class WindowSampler:
@@ -257,7 +272,7 @@ TRAIN_PY_KEY = "train_py"  # ds_config block of defaults for this script's flags
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", -1)))
-    p.add_argument("--steps", type=int, default=400, help="optimizer steps in all; the LR schedule spans them")
+    p.add_argument("--steps", type=int, default=500, help="optimizer steps in all; the LR schedule spans them")
     p.add_argument("--eval_every", type=int, default=100, help="held-out evaluation every N steps (0: start and end only)")
     p.add_argument("--eval_bytes", type=int, default=64 << 10, help="held-out bytes evaluated each time")
     p.add_argument("--log_every", type=int, default=10, help="monitor events every N steps")
@@ -271,7 +286,7 @@ def build_parser():
     p.add_argument("--train_bytes", type=int, default=4 << 20, help="training text budget in bytes")
     p.add_argument("--val_bytes", type=int, default=256 << 10, help="held-out text budget in bytes")
     p.add_argument("--val_every", type=int, default=10, help="every N-th file (shuffled order) is held out")
-    p.add_argument("--seq_len", type=int, default=256)
+    p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--ffn", type=int, default=256, help="hidden units of each expert")
@@ -292,6 +307,8 @@ def parse_args(argv=None):
     """Flags; the ds_config's optional "train_py" block (flag names without dashes) sets their defaults."""
     p = build_parser()
     args = p.parse_args(argv)
+    if not args.deepspeed_config:
+        p.error("--deepspeed_config is required (e.g. ds_configs/cpu_ep2.json)")
     if args.deepspeed_config:
         with open(args.deepspeed_config) as f:
             block = json.load(f).get(TRAIN_PY_KEY, {})

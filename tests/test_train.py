@@ -16,7 +16,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--layers", "2", "--hidden", "64", "--ffn", "128", "--heads", "2", "--experts", "4", "--top_k", "2",
         "--seq_len", "64", "--train_bytes", str(256 << 10), "--val_bytes", str(32 << 10),
-        "--eval_bytes", str(16 << 10), "--log_every", "5", "--eval_every", "10", "--steps", "30", "--moe_impl", "deepspeed"]
+        "--eval_bytes", str(16 << 10), "--log_every", "5", "--eval_every", "10", "--steps", "30"]
 
 pytestmark = pytest.mark.multiproc
 
