@@ -29,8 +29,8 @@ def test_ep2_matches_single_process_under_zero_0_1_2(tmp_path):
     assert proc.returncode == 0, log[-6000:]
     result = json.loads(out.read_text())
     for stage in ("zero0", "zero1", "zero2"):
-        assert result[stage]["loss_abs_diff"] < 1e-5, (stage, result[stage])
-        assert result[stage]["grad_rel_diff"] < 1e-4, (stage, result[stage])
+        assert result[stage]["loss_abs_diff"] < 1e-6, (stage, result[stage])
+        assert result[stage]["grad_rel_diff"] < 1e-5, (stage, result[stage])
         # forward: one all-gather of counts, two all-to-alls; backward: two all-to-alls
         assert result[stage]["collectives_per_step"] == {"all_gather": 1, "all_to_all": 4}, result[stage]
     assert result["retention"]["repeat_equal"], result["retention"]
