@@ -167,16 +167,21 @@ class ByteMoELM(nn.Module):
 # Data
 # --------------------------------------------------------------------------------------------------
 
-_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "encodings"}
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "encodings"}  # encodings: codec tables
+_TEST_DIRS = {"test", "tests", "idle_test"}
 
 
-def list_files(paths):
-    """Text files under the given files/folders, as a sorted list of (name, path); default: the stdlib's .py files."""
+def list_files(paths, stdlib_tests=False):
+    """Text files under the given files/folders, as a sorted list of (name, path).
+
+    Default (no paths): the stdlib's .py files (about 10 MB; 30 MB with its test suites).
+    """
     if not paths:
         root = sysconfig.get_paths()["stdlib"]
+        skip = _SKIP_DIRS if stdlib_tests else _SKIP_DIRS | _TEST_DIRS
         out = []
         for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
+            dirnames[:] = [d for d in dirnames if d not in skip]
             out += [(os.path.relpath(os.path.join(dirpath, f), root), os.path.join(dirpath, f))
                     for f in filenames if f.endswith(".py")]
         return sorted(out)
@@ -193,14 +198,14 @@ def list_files(paths):
     return sorted(out)
 
 
-def load_corpus(paths, train_bytes, val_bytes, val_every):
+def load_corpus(paths, train_bytes, val_bytes, val_every, stdlib_tests=False):
     """Read the corpus and split it by file: every val_every-th file of a seeded shuffle is held out
     (a single file: its tail).
 
     Files are read in a fixed shuffled order (seed 0 over the sorted list) until each split has its
     byte budget. Returns (train, val) as uint8 tensors and a short description.
     """
-    files = list_files(paths)
+    files = list_files(paths, stdlib_tests)
     if len(files) == 1:  # one file: hold out its tail
         with open(files[0][1], "rb") as f:
             data = f.read()
@@ -283,6 +288,8 @@ def build_parser():
                    help="stop (and save) at this step as an interrupted run would; the LR schedule still spans --steps")
     p.add_argument("--summary_json", default=None, help="write the run's summary here as JSON (rank 0)")
     p.add_argument("--data", nargs="+", default=None, help="text files or folders (default: the stdlib's sources)")
+    p.add_argument("--stdlib_tests", action=argparse.BooleanOptionalAction, default=False,
+                   help="default corpus: include the stdlib's test suites (30 MB instead of 10 MB)")
     p.add_argument("--train_bytes", type=int, default=4 << 20, help="training text budget in bytes")
     p.add_argument("--val_bytes", type=int, default=256 << 10, help="held-out text budget in bytes")
     p.add_argument("--val_every", type=int, default=10, help="every N-th file (shuffled order) is held out")
@@ -370,7 +377,8 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     random.seed(args.seed)
 
-    train_data, val_data, desc = load_corpus(args.data, args.train_bytes, args.val_bytes, args.val_every)
+    train_data, val_data, desc = load_corpus(args.data, args.train_bytes, args.val_bytes, args.val_every,
+                                             args.stdlib_tests)
     sampler = WindowSampler(train_data, args.seq_len, args.seed)
     model = ByteMoELM(args)
     config = load_config(args)
