@@ -88,6 +88,17 @@ def my_slice(t):
     return t[r * B:(r + 1) * B]
 
 
+def train_steps(engine, data):
+    """One optimizer step per (x, y) of the global batches; this rank's losses."""
+    losses = []
+    for x, y in data:
+        loss = F.mse_loss(engine(my_slice(x)), my_slice(y))
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return losses
+
+
 def rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
@@ -130,16 +141,8 @@ def run_train(args):
         result[f"zero{stage}_ep{ep_size}"] = {"loss_abs_diff": float(worst[0]), "grad_rel_diff": float(worst[1]),
                                   "collectives_per_step": calls[-1]}
     # retention on, over 2 ranks: it runs, and with a fixed seed it is deterministic
-    runs = []
-    for _ in range(2):
-        engine = make_engine(2, {"enabled": True, "retention_ratio": 0.5, "seed": 7})
-        losses = []
-        for x, y in data:
-            loss = F.mse_loss(engine(my_slice(x)), my_slice(y))
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(loss))
-        runs.append(losses)
+    retention = {"enabled": True, "retention_ratio": 0.5, "seed": 7}
+    runs = [train_steps(make_engine(2, retention), data) for _ in range(2)]
     result["retention"] = {"losses": runs[0], "repeat_equal": runs[0] == runs[1]}
     return result
 
@@ -151,24 +154,14 @@ def params_of(engine):
 def run_checkpoint(args):
     data = batches()
     engine = make_engine(2)
-
-    def train(eng, steps):
-        out = []
-        for x, y in steps:
-            loss = F.mse_loss(eng(my_slice(x)), my_slice(y))
-            eng.backward(loss)
-            eng.step()
-            out.append(float(loss))
-        return out
-
-    train(engine, data[:2])
+    train_steps(engine, data[:2])
     engine.save_checkpoint(args.ckpt, tag="t2")
     saved = params_of(engine)
-    continued = train(engine, data[2:])
+    continued = train_steps(engine, data[2:])
     fresh = make_engine(2)
     fresh.load_checkpoint(args.ckpt, tag="t2")
     loaded = params_of(fresh)
-    resumed = train(fresh, data[2:])
+    resumed = train_steps(fresh, data[2:])
     exact = all(torch.equal(saved[n], loaded[n]) for n in saved)
     flags = torch.tensor([float(exact), float(continued == resumed)])
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
