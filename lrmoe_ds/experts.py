@@ -97,6 +97,17 @@ class _GroupedMLP(torch.autograd.Function):
         return (dx, None, None, None, None, *dw1, *dw2)
 
 
+@torch.no_grad()
+def _init_linears(module: nn.Module, generator: torch.Generator) -> None:
+    """nn.Linear's default initialisation (uniform in +-1/sqrt(fan_in)), drawn from ``generator``."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            bound = m.in_features ** -0.5
+            m.weight.uniform_(-bound, bound, generator=generator)
+            if m.bias is not None:
+                m.bias.uniform_(-bound, bound, generator=generator)
+
+
 class GroupedExperts(nn.Module):
     """The local experts of one layer, as ``deepspeed_experts`` (DeepSpeed's checkpoint naming).
 
@@ -105,20 +116,21 @@ class GroupedExperts(nn.Module):
             grouped GEMMs (and supports retention); any other module runs in a per-expert loop
             (exact and dropless, without retention).
         num_local_experts: experts held by this rank.  expert_group_name: DeepSpeed's EP group name.
-        fresh_init: re-initialise each copy (independent experts) instead of identical copies.
+        init_seed: None keeps identical copies of ``expert`` (DeepSpeed's behaviour); an int
+            initialises each expert's linear layers apart, from a generator seeded by
+            ``init_seed + its global index``, so a model is the same whatever its ep_size.
+        first_global_expert: global index of local expert 0.
     """
 
     def __init__(self, expert: nn.Module, num_local_experts: int, expert_group_name: str,
-                 fresh_init: bool = True):
+                 init_seed: Optional[int] = None, first_global_expert: int = 0):
         super().__init__()
         self.deepspeed_experts = nn.ModuleList([copy.deepcopy(expert) for _ in range(num_local_experts)])
         self.num_local_experts = num_local_experts
         self.grouped = type(expert) in EXPERT_TYPES.values()
-        for e in self.deepspeed_experts:
-            if fresh_init:
-                for m in e.modules():
-                    if m is not e and hasattr(m, "reset_parameters"):
-                        m.reset_parameters()
+        for i, e in enumerate(self.deepspeed_experts):
+            if init_seed is not None:
+                _init_linears(e, torch.Generator().manual_seed(init_seed + first_global_expert + i))
             for p in e.parameters():
                 # DeepSpeed's marks: excluded from the data-parallel all-reduce, reduced over the
                 # expert-data-parallel group of this name instead

@@ -7,6 +7,7 @@ import hashlib
 from typing import Literal, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.moe.layer import MoE
 from deepspeed.utils import log_dist
@@ -45,7 +46,9 @@ class LRMoE(MoE):
         expert: the expert module; None builds ``activation`` experts of ``ffn_hidden_size``.
             A :class:`~lrmoe_ds.SwiGLUExpert` or :class:`~lrmoe_ds.GELUExpert` runs as grouped GEMMs;
             another module runs in a per-expert loop (exact, but without retention). As in DeepSpeed,
-            a given expert is copied to every local expert; built-in experts are initialised apart.
+            a given expert is copied to every local expert. Built-in experts are initialised apart,
+            each from a seed drawn from torch's RNG plus its global index (the EP rank is taken as
+            rank % ep_size, DeepSpeed's default layout), so the model does not depend on ep_size.
         num_experts: E.  ep_size: expert-parallel ranks (E % ep_size == 0).  k: experts per token.
         use_residual: Residual MoE (DeepSpeed's): a dense copy of the expert mixed in by a learned coefficient.
         ffn_hidden_size, activation ("swiglu" | "gelu"): the built-in experts' shape.
@@ -78,9 +81,10 @@ class LRMoE(MoE):
             if activation not in EXPERT_TYPES:
                 raise ValueError(f"activation must be one of {sorted(EXPERT_TYPES)}, got {activation!r}")
             expert = EXPERT_TYPES[activation](hidden_size, ffn_hidden_size)
-            fresh_init = True
+            # drawn from the global RNG, so the same on every rank that seeded it alike
+            init_seed = int(torch.randint(0, 2 ** 62, ()))
         else:
-            fresh_init = False
+            init_seed = None
         self.hidden_size = hidden_size
         self.num_experts, self.ep_size, self.k = num_experts, ep_size, k
         self.num_local_experts = num_experts // ep_size
@@ -90,7 +94,10 @@ class LRMoE(MoE):
         log_dist(f"Creating LRMoE layer: num_experts {num_experts}, num_local_experts "
                  f"{self.num_local_experts}, ep_size {ep_size}, k {k}", [0])
         router = Router(hidden_size, num_experts, k, score_func, norm_topk_prob, expert_bias, z_loss_coef)
-        experts = GroupedExperts(expert, self.num_local_experts, self.expert_group_name, fresh_init)
+        # DeepSpeed's default layout puts consecutive ranks in one EP group: EP rank = rank % ep_size
+        ep_rank = dist.get_rank() % ep_size if dist.is_initialized() else 0
+        experts = GroupedExperts(expert, self.num_local_experts, self.expert_group_name, init_seed,
+                                 first_global_expert=ep_rank * self.num_local_experts)
         self.deepspeed_moe = RoutedExperts(router, experts, AllToAllDispatcher(num_experts, ep_size))
         if use_residual:
             self.mlp = expert
@@ -113,7 +120,7 @@ class LRMoE(MoE):
         cfg = self.lrmoe_config
         if not (cfg.enabled and self.training and torch.is_grad_enabled()) or cfg.retention_ratio >= 1.0:
             return None
-        ep_rank = 0 if self.ep_size == 1 else torch.distributed.get_rank(self.deepspeed_moe.dispatcher.ep_group)
+        ep_rank = 0 if self.ep_size == 1 else dist.get_rank(self.deepspeed_moe.dispatcher.ep_group)
         quotas = water_fill_quotas(plan.global_counts, cfg.retention_ratio)
         quotas = quotas[ep_rank * self.num_local_experts:(ep_rank + 1) * self.num_local_experts]
         key = f"{cfg.seed}/{self.layer_number}/{self._forward_count}/{ep_rank}".encode()

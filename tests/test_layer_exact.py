@@ -122,3 +122,16 @@ def test_bad_input_is_named():
         lrmoe_ds.LRMoE(H, num_experts=4, ffn_hidden_size=F, drop_tokens=True)
     with pytest.raises(ValueError, match="k must be"):
         lrmoe_ds.LRMoE(H, num_experts=4, k=5, ffn_hidden_size=F)
+
+
+def test_built_in_experts_are_distinct_and_independent_of_ep_size():
+    torch.manual_seed(5)
+    whole = lrmoe_ds.LRMoE(H, num_experts=4, k=2, ffn_hidden_size=F)
+    torch.manual_seed(5)
+    half = lrmoe_ds.LRMoE(H, num_experts=4, ep_size=2, k=2, ffn_hidden_size=F)  # EP rank 0: experts 0, 1
+    w = [e.gate_up_proj.weight for e in whole.deepspeed_moe.experts.deepspeed_experts]
+    assert not torch.equal(w[0], w[1]) and not torch.equal(w[0], w[2])
+    for mine, theirs in zip(half.deepspeed_moe.experts.deepspeed_experts, whole.deepspeed_moe.experts.deepspeed_experts):
+        assert torch.equal(mine.gate_up_proj.weight, theirs.gate_up_proj.weight)
+        assert torch.equal(mine.down_proj.weight, theirs.down_proj.weight)
+    assert torch.equal(half.deepspeed_moe.gate.wg.weight, whole.deepspeed_moe.gate.wg.weight)
