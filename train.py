@@ -278,7 +278,7 @@ def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", -1)))
     p.add_argument("--steps", type=int, default=500, help="optimizer steps in all; the LR schedule spans them")
-    p.add_argument("--eval_every", type=int, default=100, help="held-out evaluation every N steps (0: start and end only)")
+    p.add_argument("--eval_every", type=int, default=100, help="held-out eval every N steps (0: at start and end only)")
     p.add_argument("--eval_bytes", type=int, default=64 << 10, help="held-out bytes evaluated each time")
     p.add_argument("--log_every", type=int, default=10, help="monitor events every N steps")
     p.add_argument("--save_dir", default="checkpoints", help="checkpoint folder ('' to save nothing)")
@@ -391,7 +391,8 @@ def main(argv=None):
     n_params = sum(p.numel() for p in model.parameters())
     log = print if rank == 0 else (lambda *a, **k: None)
     log(f"data: {desc}")
-    log(f"model: {args.layers} layers, hidden {args.hidden}, {args.experts} experts (ffn {args.ffn}, top-{args.top_k}), "
+    log(f"model: {args.layers} layers, hidden {args.hidden}, {args.experts} experts "
+        f"(ffn {args.ffn}, top-{args.top_k}), "
         f"ep_size {args.ep_size}, {args.moe_impl}; {n_params} parameters on rank 0; world {world}, "
         f"global batch {global_batch} x {args.seq_len} bytes (micro {mb}, accumulation {gas})")
 
@@ -440,7 +441,7 @@ def main(argv=None):
             acc_micro += 1
         step += 1
         bar.update(1)
-        if step % args.log_every == 0 or step == args.steps:
+        if step % args.log_every == 0 or step == stop:
             stats = torch.cat([acc / acc_micro, acc_counts.flatten()]).to(dev)
             dist.all_reduce(stats)
             lm_avg, aux_avg = (stats[:2] / world).tolist()
@@ -461,8 +462,10 @@ def main(argv=None):
             t_eval = time.time()
             loss = evaluate(engine, val_data, args)
             eval_time += time.time() - t_eval
+            t_log += time.time() - t_eval  # tokens/s counts training time only
             evals.append((step, loss))
-            bar.write(f"step {step}: held-out loss {loss:.4f} nats/byte") if rank == 0 else None
+            if rank == 0:
+                bar.write(f"step {step}: held-out loss {loss:.4f} nats/byte")
             write([("Eval/loss", loss, step)])
         if args.save_every and step % args.save_every == 0 and step < stop:
             save(step)

@@ -33,9 +33,13 @@ def launch(tmp_path, name, *extra, timeout=300):
     cmd = (deepspeed.split() + ["--num_gpus", "2", "--master_port", str(29500 + os.getpid() % 1000), "train.py",
                                 "--deepspeed_config", str(config_path), "--summary_json", str(summary)]
            + TINY + list(extra))
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-8000:]}\n{proc.stderr[-8000:]}"
-    assert "final: held-out loss" in proc.stdout, proc.stdout[-4000:]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{' '.join(cmd)}\ntimed out after {timeout} s\n{e.stdout}\n{e.stderr}")
+    output = f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-8000:]}\n{proc.stderr[-8000:]}"
+    assert proc.returncode == 0, output
+    assert "final: held-out loss" in proc.stdout, output
     with open(summary) as f:
         return json.load(f)
 
