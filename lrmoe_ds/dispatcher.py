@@ -81,7 +81,7 @@ class _Combine(torch.autograd.Function):
             d_rows = ops.permute(dout, order // K) * weight_of_row.to(dout.dtype).unsqueeze(1)
         if ctx.needs_input_grad[2]:
             acc = torch.promote_types(rows.dtype, weight.dtype)
-            pair_rows = ops.permute(rows, row_of_pair.reshape(-1)).view(T, K, -1).to(acc)
+            pair_rows = ops.permute(rows, row_of_pair.reshape(-1)).view(T, K, rows.shape[-1]).to(acc)
             d_weight = torch.einsum("tkh,th->tk", pair_rows, dout.to(acc)).to(weight.dtype)
         return d_rows, None, d_weight, None
 

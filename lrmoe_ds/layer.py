@@ -104,7 +104,8 @@ class LRMoE(MoE):
             self.coefficient = nn.Linear(hidden_size, 2)
         self.lrmoe_config = LRMoEConfig()
         self.layer_number = 0
-        self._forward_count = 0
+        # training forwards so far: seeds the retention sampling; a buffer, so checkpoints restore it
+        self.register_buffer("retention_step", torch.zeros((), dtype=torch.long))
 
     def configure(self, config: LRMoEConfig, layer_number: int = 0) -> None:
         """Apply the "lrmoe" block (``lrmoe_ds.initialize`` calls this for every layer)."""
@@ -123,7 +124,7 @@ class LRMoE(MoE):
         ep_rank = 0 if self.ep_size == 1 else dist.get_rank(self.deepspeed_moe.dispatcher.ep_group)
         quotas = water_fill_quotas(plan.global_counts, cfg.retention_ratio)
         quotas = quotas[ep_rank * self.num_local_experts:(ep_rank + 1) * self.num_local_experts]
-        key = f"{cfg.seed}/{self.layer_number}/{self._forward_count}/{ep_rank}".encode()
+        key = f"{cfg.seed}/{self.layer_number}/{int(self.retention_step)}/{ep_rank}".encode()
         seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
         row_gate = None
         if cfg.metric == "gate":
@@ -144,7 +145,7 @@ class LRMoE(MoE):
         rows = moe.dispatcher.dispatch(x, plan)
         retention = self._retention_spec(plan, routing.topk_weight, rows)
         if self.training:
-            self._forward_count += 1
+            self.retention_step += 1
         expert_out = moe.experts(rows, plan.group_sizes, plan.group_sizes_host, retention)
         out = moe.dispatcher.combine(expert_out, routing.topk_weight, plan).view_as(hidden_states)
         if self.use_residual:

@@ -88,7 +88,8 @@ class Router(nn.Module):
         counts = torch.bincount(topk_index.flatten(), minlength=self.num_experts)
         # Switch/GShard balance loss over all k choices: E * sum_e mean_prob_e * pair_fraction_e
         pair_fraction = counts.to(dtype) / max(topk_index.numel(), 1)
-        aux_loss = self.num_experts * torch.sum(probs.mean(0) * pair_fraction)
+        mean_prob = probs.sum(0) / max(x.shape[0], 1)  # a rank may hold no token: loss 0, not NaN
+        aux_loss = self.num_experts * torch.sum(mean_prob * pair_fraction)
         if self.z_loss_coef > 0 and self.training:
             z_loss = torch.logsumexp(logits, dim=-1).square().mean()
             topk_weight = _AddLossGradient.apply(topk_weight, z_loss, self.z_loss_coef)

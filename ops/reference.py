@@ -44,7 +44,7 @@ def unpermute(rows: torch.Tensor, row_of_pair: torch.Tensor, weight: torch.Tenso
     """
     T, K = row_of_pair.shape
     acc = torch.promote_types(rows.dtype, weight.dtype)
-    gathered = rows.index_select(0, row_of_pair.reshape(-1).long()).view(T, K, -1).to(acc)
+    gathered = rows.index_select(0, row_of_pair.reshape(-1).long()).view(T, K, rows.shape[-1]).to(acc)
     return torch.einsum("tkh,tk->th", gathered, weight.to(acc)).to(rows.dtype)
 
 

@@ -135,3 +135,12 @@ def test_built_in_experts_are_distinct_and_independent_of_ep_size():
         assert torch.equal(mine.gate_up_proj.weight, theirs.gate_up_proj.weight)
         assert torch.equal(mine.down_proj.weight, theirs.down_proj.weight)
     assert torch.equal(half.deepspeed_moe.gate.wg.weight, whole.deepspeed_moe.gate.wg.weight)
+
+
+def test_no_tokens():
+    # a rank can receive no token (and, with ep_size > 1, its experts no rows)
+    layer = lrmoe_ds.LRMoE(H, num_experts=4, k=2, ffn_hidden_size=F).double()
+    x = torch.zeros(0, H, dtype=torch.float64, requires_grad=True)
+    out, aux, counts = layer(x)
+    out.sum().backward()
+    assert out.shape == (0, H) and float(aux) == 0.0 and counts.sum() == 0 and x.grad.shape == (0, H)

@@ -74,3 +74,11 @@ def test_capacity_route():
     out = ref.capacity_route(torch.zeros(4, dtype=torch.long), torch.full((4,), 2),
                              torch.tensor([0, 0]), torch.tensor([0, 1]), torch.tensor([1, 3]))
     assert sorted(out.tolist()) == [0, 1, 1, 1]
+
+
+def test_empty_inputs():
+    assert ref.unpermute(torch.zeros(0, 4), torch.zeros(0, 1, dtype=torch.long), torch.ones(0, 1)).shape == (0, 4)
+    assert ref.permute(torch.zeros(3, 4), torch.zeros(0, dtype=torch.long)).shape == (0, 4)
+    assert ref.grouped_linear(torch.zeros(0, 4), [torch.ones(2, 4)] * 3, torch.zeros(3, dtype=torch.long)).shape == (0, 2)
+    dws = ref.grouped_linear_wgrad(torch.zeros(0, 2), torch.zeros(0, 4), torch.zeros(3, dtype=torch.long))
+    assert all(d.shape == (2, 4) and not d.any() for d in dws)

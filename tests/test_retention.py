@@ -63,7 +63,7 @@ def test_topk_ablation_keeps_largest_metric_unweighted():
 def _layer_grads(layer, x, seed_step=None):
     layer.zero_grad()
     if seed_step is not None:
-        layer._forward_count = seed_step
+        layer.retention_step.fill_(seed_step)
     xi = x.clone().requires_grad_(True)
     out, _, _ = layer(xi)
     (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
