@@ -4,6 +4,7 @@
 #include <cub/device/device_scan.cuh>
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "gemm_common.h"
 
@@ -130,8 +131,14 @@ size_t grouped_gemm(GemmPass pass, DType dtype, DType out_dtype, int64_t M, int6
   void* scan_temp = sc.take<char>(scan_bytes);
   size_t gemm_bytes = 0;
   auto cutlass_run = [&](void* t, size_t bytes) {
-    auto fn = pass == GemmPass::kFwd ? cutlass_gemm::run_fwd
-              : pass == GemmPass::kDgrad ? cutlass_gemm::run_dgrad : cutlass_gemm::run_wgrad;
+    // Kernel: ping-pong 128x128x64 for wgrad, cooperative 128x256x64 for forward and dgrad (the
+    // faster on the H200 for most of the benchmark shapes, benchmarks/results/); LRMOE_GEMM_CONFIG=
+    // coop|pingpong overrides (read per call, for benchmarks and tests).
+    const char* cfg = std::getenv("LRMOE_GEMM_CONFIG");
+    const bool pingpong = (cfg && cfg[0] == 'p') || ((!cfg || cfg[0] == 'a') && pass == GemmPass::kWgrad);
+    auto fn = pass == GemmPass::kFwd ? (pingpong ? cutlass_gemm::run_fwd_pingpong : cutlass_gemm::run_fwd)
+              : pass == GemmPass::kDgrad ? (pingpong ? cutlass_gemm::run_dgrad_pingpong : cutlass_gemm::run_dgrad)
+                                         : (pingpong ? cutlass_gemm::run_wgrad_pingpong : cutlass_gemm::run_wgrad);
     return fn(M, N, K, G, a, b, group_ptrs, group_sizes, offsets, out, accumulate, t, bytes, stream);
   };
   if (use_cutlass) gemm_bytes = cutlass_run(nullptr, 0);

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("shape,spread,dtype,G", GRID)
-def test_matches_fp64_reference(ext, rel_fro, tol, shape, spread, dtype, G):
+def test_matches_fp64_reference(ext, rel_fro, tol, monkeypatch, shape, spread, dtype, G):
     N, K = shape
     gen = torch.Generator().manual_seed(N * 5 + K + G)
     sizes = group_sizes(G, spread, gen)
@@ -19,11 +19,12 @@ def test_matches_fp64_reference(ext, rel_fro, tol, shape, spread, dtype, G):
     ws = [torch.randn(N, K, generator=gen).to(dtype) / N ** 0.5 for _ in range(G)]
     ref = reference.grouped_linear_dgrad(dy.double(), [w.double() for w in ws], sizes)
     dyc, wc, sc = dy.cuda(), [w.cuda() for w in ws], sizes.cuda()
-    for allow_cutlass in (True, False):
+    for allow_cutlass, config in ((True, "coop"), (True, "pingpong"), (False, "auto")):
+        monkeypatch.setenv("LRMOE_GEMM_CONFIG", config)  # both CUTLASS kernels, the CUDA-core one; then the API by default
         out = torch.full((M, K), float("nan"), dtype=dtype, device="cuda")
         used = ext.grouped_gemm(1, dyc, None, wc, sc, out, False, allow_cutlass)
         assert used == (allow_cutlass and expected_path(dtype, N, K))
-        assert rel_fro(out, ref) < tol[dtype], f"cutlass={used}"
+        assert rel_fro(out, ref) < tol[dtype], f"cutlass={used} {config}"
     api = ops.grouped_linear_dgrad(dyc, wc, sc, backend="cuda")
     assert rel_fro(api, ref) < tol[dtype]
     assert torch.equal(api, ops.grouped_linear_dgrad(dyc, wc, sc, backend="cuda"))
