@@ -36,7 +36,9 @@ def median_ms(fn, reps=10, warmup=2, inner=5):
     return statistics.median(times)
 
 
-# (LRMOE_GEMM_CONFIG, LRMOE_GEMM_RASTER, LRMOE_GEMM_SWIZZLE); the first is the default
+# (LRMOE_GEMM_CONFIG, LRMOE_GEMM_RASTER, LRMOE_GEMM_SWIZZLE); the first is the default. The config
+# only changes wgrad (ping-pong by default, "coop" for the cooperative kernel); forward and dgrad
+# always run the cooperative kernel (their ping-pong variants were dropped, see benchmarks/results).
 VARIANTS = [("auto", "m", "1"), ("coop", "m", "1"), ("coop", "n", "2"), ("pingpong", "m", "1")]
 
 
@@ -148,8 +150,8 @@ def main():
                 rows.extend(bench_case(name, H, F, E, k, T, skew, gen))
     lines = [f"# Segmented GEMM on {torch.cuda.get_device_name()} (torch {torch.__version__})", "",
              "Command: `python3 benchmarks/bench_grouped_gemm.py` (bf16, fp32 accumulation; median of 10 CUDA-event "
-             "timings of 5 back-to-back calls each; 5 single calls for the loop). Variants: kernel coop "
-             "(128x256x64) or pingpong (128x128x64) (LRMOE_GEMM_CONFIG), raster order m|n and swizzle 1|2 "
+             "timings of 5 back-to-back calls each; 5 single calls for the loop). Variants: wgrad kernel coop "
+             "(128x256x64) or pingpong (128x128x64) (LRMOE_GEMM_CONFIG; forward and dgrad are always coop), raster order m|n and swizzle 1|2 "
              "(LRMOE_GEMM_RASTER, LRMOE_GEMM_SWIZZLE); the ratio column is the default, auto-m1 (ping-pong for wgrad, "
              "cooperative otherwise). 'stacked W': our forward with the weights as views of one [E, N, K] tensor, as "
              "torch._grouped_mm reads them", "",
