@@ -11,7 +11,7 @@ H, F, E, T, K = 64, 96, 8, 300, 2
 
 
 def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
+    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
 
 
 @pytest.mark.parametrize("backend", ["torch", "cuda"])
