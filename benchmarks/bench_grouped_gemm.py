@@ -9,31 +9,13 @@ time / our time (>= 1: at least as fast as torch._grouped_mm).
 """
 import argparse
 import os
-import statistics
 
 import torch
 
 from lrmoe_ds import ops
+from timing import median_ms
 
 SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "glm-4.5-air": (4096, 1408, 128, 8)}
-
-
-def median_ms(fn, reps=10, warmup=2, inner=5):
-    """Median over `reps` of the mean time of `inner` back-to-back calls (launch overhead overlaps
-    the GPU work, as in training), from CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(inner):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / inner)
-    return statistics.median(times)
 
 
 # (LRMOE_GEMM_CONFIG, LRMOE_GEMM_RASTER, LRMOE_GEMM_SWIZZLE); the first is the default. The config

@@ -9,7 +9,6 @@ CUDA-event timings of a full forward + backward; useful FLOPs = 3 passes x 2 x p
 import argparse
 import os
 import socket
-import statistics
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +17,7 @@ from torch import nn
 import deepspeed
 import lrmoe_ds
 from lrmoe_ds import ops
+from timing import median_ms
 
 
 class GroupedMMMoE(nn.Module):
@@ -43,21 +43,6 @@ class GroupedMMMoE(nn.Module):
         y = torch._grouped_mm(F.silu(g) * u, self.w2, offs=offs)
         out = torch.zeros_like(x).index_add_(0, order // self.k, y * w.flatten()[order, None].to(y.dtype))
         return out, None, counts
-
-
-def median_ms(fn, reps):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def main():
@@ -101,7 +86,7 @@ def main():
                 out = layer(xi)[0]
                 out.backward(grad)
 
-            times[name] = median_ms(step, args.reps)
+            times[name] = median_ms(step, reps=args.reps, warmup=3, inner=1)
             layer.zero_grad(set_to_none=True)
             layers[name] = layer.cpu()
             torch.cuda.empty_cache()

@@ -4,28 +4,11 @@ combine) against a device-to-device copy, at the issue's shapes. Median of CUDA-
     python3 benchmarks/bench_permute.py [--out benchmarks/results/permute_h200.md]
 """
 import argparse
-import statistics
 
 import torch
 
 from lrmoe_ds import ops
-
-
-def median_ms(fn, reps=30, warmup=5, inner=5):
-    """Median over `reps` of the mean of `inner` back-to-back calls, from CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(inner):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / inner)
-    return statistics.median(times)
+from timing import median_ms
 
 
 def main():
@@ -36,21 +19,21 @@ def main():
     rows = []
     big = torch.randn(512 * 2**20 // 2, dtype=torch.bfloat16, device="cuda")  # 512 MiB
     dst = torch.empty_like(big)
-    ms = median_ms(lambda: dst.copy_(big))
+    ms = median_ms(lambda: dst.copy_(big), reps=30, warmup=5)
     copy_bw = 2 * big.numel() * 2 / ms / 1e6
     rows.append(("copy (ceiling)", "512 MiB bf16", ms, copy_bw))
     for H, T, K in [(2048, 8192, 8), (2048, 16384, 8), (4096, 8192, 8), (4096, 16384, 8)]:
         x = torch.randn(T, H, dtype=torch.bfloat16, device="cuda")
         P = T * K
         idx = torch.randint(0, T, (P,), device="cuda")
-        ms = median_ms(lambda: ops.permute(x, idx, backend="cuda"))
+        ms = median_ms(lambda: ops.permute(x, idx, backend="cuda"), reps=30, warmup=5)
         rows.append(("permute", f"T={T} K={K} H={H}", ms, (2 * P * H * 2 + P * 8) / ms / 1e6))
-        ms_t = median_ms(lambda: x.index_select(0, idx))
+        ms_t = median_ms(lambda: x.index_select(0, idx), reps=30, warmup=5)
         rows.append(("torch index_select", f"T={T} K={K} H={H}", ms_t, (2 * P * H * 2 + P * 8) / ms_t / 1e6))
         y = torch.randn(P, H, dtype=torch.bfloat16, device="cuda")
         rop = torch.randperm(P, device="cuda").view(T, K)
         w = torch.rand(T, K, device="cuda")
-        ms = median_ms(lambda: ops.unpermute(y, rop, w, backend="cuda"))
+        ms = median_ms(lambda: ops.unpermute(y, rop, w, backend="cuda"), reps=30, warmup=5)
         rows.append(("unpermute", f"T={T} K={K} H={H}", ms, (P * H * 2 + T * H * 2 + P * 12) / ms / 1e6))
     lines = [f"# Permutation bandwidth on {dev}", "",
              "Command: `python3 benchmarks/bench_permute.py` (bf16; bytes = reads + writes; median of 30 CUDA-event timings of 5 back-to-back calls)", "",
