@@ -144,6 +144,24 @@ def run_train(args):
     retention = {"enabled": True, "retention_ratio": 0.5, "seed": 7}
     runs = [train_steps(make_engine(2, retention), data) for _ in range(2)]
     result["retention"] = {"losses": runs[0], "repeat_equal": runs[0] == runs[1]}
+    # every token to experts 0 and 1 (every token's MoE input is e_0, and only experts 0 and 1
+    # score on it): EP rank 1's experts get no row, in the forward and the backward
+    engine = make_engine(0)
+    with torch.no_grad():
+        engine.module.inp.weight.zero_()
+        engine.module.inp.bias.copy_(torch.eye(H)[0])
+        wg = engine.module.moe.deepspeed_moe.gate.wg.weight
+        wg.zero_()
+        wg[:2, 0] = torch.tensor([5.0, 4.0])
+    x, y = data[0]
+    loss = F.mse_loss(engine(my_slice(x)), my_slice(y))
+    engine.backward(loss)
+    experts = engine.module.moe.deepspeed_moe.experts.parameters()
+    idle = all(p.grad is None or not p.grad.any() for p in experts)
+    flags = torch.zeros(2)
+    flags[dist.get_rank()] = float(idle)
+    dist.all_reduce(flags)
+    result["empty_rank"] = {"loss_finite": bool(torch.isfinite(loss)), "experts_idle_per_rank": flags.tolist()}
     return result
 
 

@@ -37,6 +37,7 @@ def test_multi_rank_matches_single_process(tmp_path):
     assert result["zero2_ep1"]["collectives_per_step"] == {}  # ep_size 1: the layer communicates not at all
     assert result["retention"]["repeat_equal"], result["retention"]
     assert all(l == l for l in result["retention"]["losses"])  # finite, not NaN
+    assert result["empty_rank"] == {"loss_finite": True, "experts_idle_per_rank": [0.0, 1.0]}, result["empty_rank"]
 
 
 def test_checkpoint_round_trip_is_bit_exact(tmp_path):
