@@ -7,7 +7,6 @@
 Rank 0 writes a JSON of the measured differences to --out.
 """
 import argparse
-import copy
 import json
 import re
 
