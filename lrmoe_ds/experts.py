@@ -77,7 +77,7 @@ class _GroupedMLP(torch.autograd.Function):
         x, h, group_sizes, *weights = ctx.saved_tensors
         w1, w2 = weights[:ctx.n_w1], weights[ctx.n_w1:]
         dy = dy.contiguous()
-        kept = None
+        num_rows, kept = x.shape[0], None
         if ctx.retention is not None:
             kept, scale, group_sizes = select_retained(dy, x, group_sizes, ctx.retention)
             dy = ops.permute(dy, kept) * scale.to(dy.dtype).unsqueeze(1)
@@ -93,7 +93,7 @@ class _GroupedMLP(torch.autograd.Function):
         dx = ops.grouped_linear_dgrad(dh, w1, group_sizes)
         if kept is not None:
             # dropped rows get no gradient through the expert
-            dx = dx.new_zeros(ctx.saved_tensors[0].shape).index_copy_(0, kept, dx)
+            dx = dx.new_zeros(num_rows, dx.shape[1]).index_copy_(0, kept, dx)
         return (dx, None, None, None, None, *dw1, *dw2)
 
 
