@@ -2,15 +2,16 @@
 
 Example::
 
-    "lrmoe": {"enabled": true, "retention_ratio": 0.5, "metric": "grad_norm", "seed": 1234}
+    "lrmoe": {"enabled": true, "retention_ratio": 0.5, "metric": "grad_norm", "seed": 1234,
+              "policy": "auto", "budget_gib": 60, "floor": 0.05}
 
 No block, or ``"enabled": false``: every LRMoE layer is an exact dropless MoE.
 """
 import json
-from typing import Any, Dict, Literal, Mapping, Union
+from typing import Any, Dict, Literal, Mapping, Optional, Union
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 CONFIG_KEY = "lrmoe"
 
@@ -36,9 +37,52 @@ class LRMoEConfig(DeepSpeedConfigModel):
     seed: int = Field(1234, ge=0)
     """Seed of the retention sampling (combined with the layer, step and rank)."""
 
+    rescale: bool = True
+    """Weight each retained pair by its priority-sampling weight max(1, tau/m) so the expert gradient
+    is unbiased. false keeps the retained terms unweighted (biased; an ablation)."""
+
+    router_grad: Literal["exact", "retained"] = "exact"
+    """"exact": the router's gradient from every pair, from expert outputs saved in the forward.
+    "retained": from the retained pairs alone (weighted like them); nothing per pair is saved for it."""
+
+    floor: float = Field(0.0, ge=0.0, le=1.0)
+    """Minimum retained fraction of every expert's pairs, so that no expert starves. It wins over
+    the target and the budget."""
+
+    balance_factor: float = Field(1.25, ge=1.0)
+    """When pairs are dropped, no expert-parallel rank retains more than this times the mean
+    retained rows per rank: its hottest experts are capped further."""
+
+    policy: Literal["auto", "stash", "recompute"] = "auto"
+    """What the forward keeps for the expert backward: "stash" (expert inputs and pre-activations of
+    every pair), "recompute" (nothing per pair; the backward recomputes the retained pairs alone), or
+    "auto" (stash while the memory planner finds that it fits the budget, else recompute)."""
+
+    budget_gib: Optional[float] = Field(None, gt=0.0)
+    """Per-GPU memory budget in GiB. None (and no budget_fraction): unbounded."""
+
+    budget_fraction: Optional[float] = Field(None, gt=0.0, le=1.0)
+    """Per-GPU memory budget as a fraction of the accelerator's total memory."""
+
+    reserve_gib: float = Field(1.0, ge=0.0)
+    """Memory kept free under the budget (allocator fragmentation, communication buffers)."""
+
+    warmup_steps: int = Field(3, ge=1)
+    """Optimizer steps whose peak memory the planner measures before its first budgeted plan."""
+
+    report_interval: int = Field(10, ge=1)
+    """Every this many steps the planner writes per-expert retention to DeepSpeed's monitor."""
+
     ops_backend: Literal["auto", "torch", "cuda"] = "auto"
     """Which ops run: the CUDA kernels where they build ("auto"), the torch reference ("torch"), or
     the CUDA kernels or an error that says why not ("cuda")."""
+
+    @model_validator(mode="after")
+    def _one_budget(self):
+        if self.budget_gib is not None and self.budget_fraction is not None:
+            raise ValueError("give budget_gib or budget_fraction, not both")
+        return self
+
 
 
 def _format_error(err: ValidationError) -> str:
