@@ -1,0 +1,224 @@
+"""MemoryPlanner on stub layers, a fake accelerator and a stub monitor (no LRMoE forward needed)."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lrmoe_ds.config import LRMoEConfig
+from lrmoe_ds.planner import GIB, MemoryPlanner, optimizer_bytes
+from lrmoe_ds.quotas import MemoryPlan, RetentionStats
+
+MB = 1_000_000
+STASH_BPR, BACKWARD_BPR = 100_000, 200_000  # bytes per routed row stashed / per retained row in the backward
+
+
+class FakeAccelerator:
+    def __init__(self, total=64 * GIB, allocated=0, peak=0):
+        self.total, self.allocated, self.peak = total, allocated, peak
+        self.resets = 0
+
+    def total_memory(self):
+        return self.total
+
+    def memory_allocated(self):
+        return self.allocated
+
+    def max_memory_allocated(self):
+        return self.peak
+
+    def reset_max_memory_allocated(self):
+        self.resets += 1
+        self.peak = self.allocated
+
+
+class RecordingMonitor:
+    enabled = True
+
+    def __init__(self):
+        self.events = []
+
+    def write_events(self, events):
+        self.events.extend(events)
+
+    def named(self, step=None):
+        return {name: value for name, value, s in self.events if step is None or s == step}
+
+
+def stub_layer(number, config, counts=(400, 0, 600), quotas=(200, 0, 600), rows=(1000, 500), retained=(500, 250),
+               policy="stash"):
+    stats = RetentionStats(counts=torch.tensor(counts), quotas=torch.tensor(quotas), rows_per_rank=torch.tensor(rows),
+                           retained_per_rank=torch.tensor(retained), policy=policy, stash_bytes_per_row=STASH_BPR,
+                           backward_bytes_per_row=BACKWARD_BPR)
+    return SimpleNamespace(layer_number=number, lrmoe_config=config, memory_plan=MemoryPlan(), last_stats=stats)
+
+
+def warmed_up(config, peak=700 * MB, allocated=100 * MB, monitor=None):
+    """Two stub layers; the planner measured `warmup_steps` steps of `peak` bytes and made its first plan.
+
+    Per layer: stash 1000 rows * 100 kB = 100 MB, backward 500 rows * 200 kB = 100 MB; the warm-up's MoE
+    estimate is 2 * 100 MB + 100 MB = 300 MB, so the non-MoE part of a 700 MB peak is 400 MB.
+    """
+    layers = [stub_layer(0, config), stub_layer(1, config)]
+    acc = FakeAccelerator(allocated=allocated)
+    planner = MemoryPlanner(config, layers, accelerator=acc, monitor=monitor)
+    planner.on_step(0)  # starts measuring
+    for step in range(1, config.warmup_steps + 1):
+        acc.peak = peak
+        planner.on_step(step)
+    return planner, layers, acc
+
+
+def test_budget_bytes_arithmetic():
+    acc = FakeAccelerator(total=64 * GIB)
+    assert MemoryPlanner(LRMoEConfig(), [], accelerator=acc).budget_bytes() is None
+    assert MemoryPlanner(LRMoEConfig(budget_gib=10, reserve_gib=1), [], accelerator=acc).budget_bytes() == 9 * GIB
+    half = MemoryPlanner(LRMoEConfig(budget_fraction=0.5, reserve_gib=2), [], accelerator=acc)
+    assert half.budget_bytes() == 30 * GIB
+    assert MemoryPlanner(LRMoEConfig(budget_gib=1, reserve_gib=3), [], accelerator=acc).budget_bytes() == 0
+
+
+@pytest.mark.parametrize("policy, expected", [("auto", "stash"), ("stash", "stash"), ("recompute", "recompute")])
+def test_unbounded_budget_gives_config_policy_and_no_cap(policy, expected):
+    config = LRMoEConfig(policy=policy, warmup_steps=2)
+    planner, layers, _ = warmed_up(config, peak=1000 * GIB)  # no budget: any peak is fine
+    assert len(planner.plans) == 2 and planner.plans[-1]["reason"] == "unbounded"
+    for layer in layers:
+        assert layer.memory_plan == MemoryPlan(expected, None)
+
+
+def test_auto_stashes_when_it_fits_and_caps_rows():
+    planner, layers, _ = warmed_up(LRMoEConfig(policy="auto", budget_gib=1, reserve_gib=0, warmup_steps=2))
+    plan = planner.plans[-1]
+    assert plan["non_moe"] == 400 * MB and plan["stash"] == 220 * MB and plan["backward"] == 110 * MB
+    # (1 GiB - 400 MB non-MoE - 220 MB stash) // 200 kB per retained row
+    assert [layer.memory_plan for layer in layers] == [MemoryPlan("stash", 2268)] * 2
+
+
+def test_auto_switches_to_recompute_when_stash_does_not_fit():
+    planner, layers, _ = warmed_up(LRMoEConfig(policy="auto", budget_gib=0.6, reserve_gib=0, warmup_steps=2))
+    # left = 644245094 - 400 MB = 244 MB < 330 MB (stash + backward with margin): recompute, no stash kept
+    assert planner.plans[-1]["left"] == 244245094
+    assert [layer.memory_plan for layer in layers] == [MemoryPlan("recompute", 244245094 // BACKWARD_BPR)] * 2
+
+
+def test_fixed_stash_policy_keeps_stash_and_floors_cap_at_one():
+    _, layers, _ = warmed_up(LRMoEConfig(policy="stash", budget_gib=0.6, reserve_gib=0, warmup_steps=2))
+    assert layers[0].memory_plan == MemoryPlan("stash", (244245094 - 220 * MB) // BACKWARD_BPR)
+    _, layers, _ = warmed_up(LRMoEConfig(policy="stash", budget_gib=0.3, reserve_gib=0, warmup_steps=2))
+    assert layers[0].memory_plan == MemoryPlan("stash", 1)
+
+
+def test_static_memory_floors_the_non_moe_part():
+    planner, _, _ = warmed_up(LRMoEConfig(budget_gib=1, reserve_gib=0, warmup_steps=1), allocated=500 * MB)
+    planner.static_bytes = 500 * MB  # as attach measures it: more than the 400 MB the peak leaves
+    planner.replan()
+    assert planner.plans[-1]["non_moe"] == 500 * MB
+
+
+def test_peak_over_budget_lowers_the_cap_by_the_excess():
+    config = LRMoEConfig(policy="auto", budget_gib=1, reserve_gib=0, warmup_steps=2)
+    planner, layers, acc = warmed_up(config)
+    n_plans = len(planner.plans)
+    acc.peak = GIB - 1  # under budget: no new plan
+    planner.on_step(3)
+    assert len(planner.plans) == n_plans and layers[0].memory_plan.max_rows_per_rank == 2268
+    acc.peak = GIB + 50 * MB
+    planner.on_step(4)
+    assert len(planner.plans) == n_plans + 1 and planner.plans[-1]["excess"] == 50 * MB
+    # from the 500 rows actually retained (under the 2268 cap), less ceil(55 MB / 200 kB) = 275 rows
+    assert [layer.memory_plan for layer in layers] == [MemoryPlan("stash", 225)] * 2
+    acc.peak = GIB + 500 * MB
+    planner.on_step(5)
+    assert layers[0].memory_plan == MemoryPlan("stash", 1)
+
+
+def test_monitor_events_names_and_values():
+    monitor = RecordingMonitor()
+    config = LRMoEConfig(policy="recompute", budget_gib=1, reserve_gib=0, warmup_steps=1, report_interval=100)
+    planner, layers, acc = warmed_up(config, monitor=monitor)
+    events = monitor.named(step=1)  # written before the plan: the warm-up plan, uncapped
+    assert events["lrmoe/peak_memory_gib"] == pytest.approx(700 * MB / GIB)
+    assert events["lrmoe/budget_gib"] == 1.0
+    assert events["lrmoe/layer0/retention"] == pytest.approx(0.8) and events["lrmoe/layer1/retention"] == 0.8
+    assert events["lrmoe/layer0/policy_recompute"] == 1.0
+    assert "lrmoe/layer0/max_rows_per_rank" not in events
+    acc.peak = 600 * MB
+    planner.on_step(2)
+    events = monitor.named(step=2)
+    assert events["lrmoe/layer1/max_rows_per_rank"] == layers[1].memory_plan.max_rows_per_rank
+    assert not any("expert" in name for name in monitor.named())
+    assert all(step in (1, 2) for _, _, step in monitor.events)
+
+
+def test_disabled_monitor_gets_nothing():
+    monitor = RecordingMonitor()
+    monitor.enabled = False
+    warmed_up(LRMoEConfig(warmup_steps=2), monitor=monitor)
+    assert monitor.events == []
+
+
+def test_per_expert_events_every_report_interval():
+    monitor = RecordingMonitor()
+    warmed_up(LRMoEConfig(warmup_steps=5, report_interval=2), monitor=monitor)  # steps 1..5
+    steps = sorted({s for name, _, s in monitor.events if "/expert" in name})
+    assert steps == [2, 4]
+    at2 = monitor.named(step=2)
+    assert [at2[f"lrmoe/layer0/expert{e}/retention"] for e in range(3)] == [0.5, 1.0, 1.0]  # n_1 = 0 -> 1.0
+
+
+def test_forward_pre_hook_calls_on_step_once_per_global_step():
+    planner = MemoryPlanner(LRMoEConfig(), [], accelerator=FakeAccelerator())
+    engine = SimpleNamespace(module=torch.nn.Linear(2, 2), global_steps=0, monitor=RecordingMonitor(),
+                             optimizer=None, device=torch.device("cpu"))
+    planner.attach(engine)
+    assert planner.monitor is engine.monitor
+    calls = []
+    planner.on_step = calls.append
+    x = torch.zeros(1, 2)
+    for step in range(3):
+        engine.global_steps = step
+        for _ in range(4):  # gradient accumulation: four forwards per optimizer step
+            engine.module(x)
+    engine.module.eval()
+    engine.global_steps = 3
+    engine.module(x)  # evaluation: not a training step
+    assert calls == [0, 1, 2]
+
+
+def test_attach_counts_zero_partitions_and_optimizer_state():
+    inner = SimpleNamespace(state={"p": {"exp_avg": torch.zeros(250), "exp_avg_sq": torch.zeros(250), "step": 3}})
+    zero = SimpleNamespace(single_partition_of_fp32_groups=[torch.zeros(1000)], optimizer=inner)
+    assert optimizer_bytes(zero) == (4000, 2000)
+    assert optimizer_bytes(None) == (0, 0)
+    planner = MemoryPlanner(LRMoEConfig(), [], accelerator=FakeAccelerator(allocated=10))
+    planner.attach(SimpleNamespace(module=torch.nn.Linear(1, 1), global_steps=0, monitor=None, optimizer=zero))
+    assert planner.static_bytes == 6000
+
+
+def test_real_cpu_accelerator():
+    config = LRMoEConfig(budget_fraction=0.5, reserve_gib=0, warmup_steps=2)
+    layers = [stub_layer(0, config)]
+    planner = MemoryPlanner(config, layers)  # DeepSpeed's own accelerator: CPU here (psutil RSS)
+    total = planner.accelerator.total_memory()
+    assert total > 0 and planner.budget_bytes() == int(0.5 * total)
+    planner.attach(SimpleNamespace(module=torch.nn.Linear(1, 1), global_steps=0, monitor=None, optimizer=None))
+    assert 0 < planner.static_bytes < total
+    for step in range(3):
+        planner.on_step(step)
+    assert 0 < planner.warmup_peak < total
+    assert planner.plans[-1]["reason"] == "budget"
+    assert layers[0].memory_plan.policy == "stash" and layers[0].memory_plan.max_rows_per_rank >= 1
+
+
+class NoMemoryAccelerator:
+    def total_memory(self):
+        raise RuntimeError("no accounting")
+
+
+def test_accelerator_without_memory_queries_does_not_crash():
+    config = LRMoEConfig(budget_fraction=0.5, warmup_steps=1)
+    planner = MemoryPlanner(config, [stub_layer(0, config)], accelerator=NoMemoryAccelerator())
+    assert planner.budget_bytes() == 0
+    planner.on_step(0)
+    planner.on_step(1)
+    assert planner.plans[-1]["layers"][0].max_rows_per_rank == 1
