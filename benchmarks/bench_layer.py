@@ -1,23 +1,36 @@
-"""One MoE layer, forward + backward, on one GPU: LRMoE (exact, and with retention) against DeepSpeed's
-MoE (drop_tokens=False) and a plain dropless layer on torch._grouped_mm (the anchor), same run.
+"""One MoE layer, forward + backward, on one GPU (bf16): DeepSpeed's MoE (drop_tokens=False), a plain
+dropless layer on torch._grouped_mm (the anchor), LRMoE exact and LRMoE with retention under the
+"stash" and "recompute" policies, all in one run per shape and token count.
 
-    python3 benchmarks/bench_layer.py --out benchmarks/results/layer_h200.md
+    python3 benchmarks/bench_layer.py --out benchmarks/results/layer_retention_h200.md
 
-bf16, Qwen3-30B-A3B expert shape by default (H 2048, F 768 SwiGLU, 128 experts, top-8); median of
-CUDA-event timings of a full forward + backward; useful FLOPs = 3 passes x 2 x pairs x 3 H F.
+Per row: median of CUDA-event timings of a full forward + backward (timing.median_ms); speed ratios
+(the anchor's, DeepSpeed's time / this time); the peak memory of one forward + backward above what
+was allocated before it (layer, inputs and the weight gradients of a warm-up step), in GiB.
+TFLOP/s counts the exact layer's useful expert FLOPs (3 passes x 2 x pairs x 3 H F), also for
+retention, which does less work. The layers wait on the CPU in bf16; one at a time is on the GPU.
 """
 import argparse
 import os
+import shlex
 import socket
-
-import torch
-import torch.nn.functional as F
-from torch import nn
+import sys
 
 import deepspeed
+import torch
+import torch.nn.functional as F
+from timing import median_ms
+from torch import nn
+
 import lrmoe_ds
 from lrmoe_ds import ops
-from timing import median_ms
+
+SHAPES = {  # --shapes name: (title, hidden, expert ffn (SwiGLU), experts, top-k)
+    "qwen3-30b-a3b": ("Qwen3-30B-A3B", 2048, 768, 128, 8),
+    "glm-4.5-air": ("GLM-4.5-Air", 4096, 1408, 128, 8),
+}
+ANCHOR, DEEPSPEED = "grouped_mm dropless (anchor)", "DeepSpeed MoE (drop_tokens=False)"
+GIB = 2 ** 30
 
 
 class GroupedMMMoE(nn.Module):
@@ -45,65 +58,146 @@ class GroupedMMMoE(nn.Module):
         return out, None, counts
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--ffn", type=int, default=768)
-    p.add_argument("--experts", type=int, default=128)
-    p.add_argument("--k", type=int, default=8)
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     p.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384])
-    p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
+    p.add_argument("--ratios", type=float, nargs="+", default=[1.0, 0.75, 0.5, 0.25],
+                   help="retention_ratio of the enabled LRMoE rows")
+    p.add_argument("--policies", nargs="+", choices=["stash", "recompute", "auto"], default=["stash", "recompute"])
+    p.add_argument("--router_grad", choices=["exact", "retained"], default="exact")
+    p.add_argument("--metric", choices=["grad_norm", "gate", "uniform"], default="grad_norm")
+    p.add_argument("--reps", type=int, default=10, help="timed forward + backward steps per row")
+    p.add_argument("--out", default=None, help="write the markdown here (rewritten after every row)")
+    return p.parse_args(argv)
+
+
+def row_specs(args):
+    """(row name, layer kind, "lrmoe" block or None); rows of one kind are consecutive."""
+    rows = [(ANCHOR, "anchor", None), (DEEPSPEED, "deepspeed", None), ("LRMoE exact (enabled false)", "lrmoe", {})]
+    for policy in args.policies:
+        for r in args.ratios:
+            rows.append((f"LRMoE retention {r:g}, {policy}", "lrmoe",
+                         {"enabled": True, "retention_ratio": r, "policy": policy, "metric": args.metric,
+                          "router_grad": args.router_grad}))
+    return rows
+
+
+def build(kind, H, Fh, E, k):
+    if kind == "anchor":
+        return GroupedMMMoE(H, Fh, E, k)
+    if kind == "deepspeed":
+        ds = deepspeed.moe.layer.MoE(H, expert=lrmoe_ds.SwiGLUExpert(H, Fh), num_experts=E, k=k, drop_tokens=False,
+                                     use_rts=False, top2_2nd_expert_sampling=False)
+        ds.set_deepspeed_parallelism()
+        return ds
+    return lrmoe_ds.LRMoE(H, num_experts=E, k=k, ffn_hidden_size=Fh)
+
+
+def measure(layer, x, grad, reps):
+    """(median ms, GiB allocated at the peak of one forward + backward above what was allocated before it)."""
+    def step():
+        xi = x.detach().requires_grad_(True)
+        layer(xi)[0].backward(grad)
+
+    step()  # warm-up; allocates the weight gradients
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    return median_ms(step, reps=reps, warmup=2, inner=1), peak / GIB
+
+
+def ratio(a, b, fmt="{:.2f}"):
+    return "-" if a is None or b is None else fmt.format(a / b)
+
+
+def render(name, ms, mem, failed, flops):
+    """One table row, from the times (ms), memories (GiB) and failures measured so far."""
+    if name in failed:
+        return f"| {name} | failed: {failed[name]} | | | | | |"
+    ref = mem.get(f"LRMoE retention {1.0:g}, stash")
+    return (f"| {name} | {ms[name]:.2f} | {flops / ms[name] / 1e9:.0f} | {ratio(ms.get(ANCHOR), ms[name])} | "
+            f"{ratio(ms.get(DEEPSPEED), ms[name])} | {mem[name]:.2f} | {ratio(mem[name], ref)} |")
+
+
+def main():
+    args = parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]), RANK="0",
                           WORLD_SIZE="1", LOCAL_RANK="0")
     deepspeed.init_distributed()
-    H, Fh, E, k = args.hidden, args.ffn, args.experts, args.k
     dev, dt = "cuda", torch.bfloat16
     cuda_ok, why = ops.cuda_ops_status()
-    layers = {"grouped_mm dropless (anchor)": GroupedMMMoE(H, Fh, E, k)}
-    ds = deepspeed.moe.layer.MoE(H, expert=lrmoe_ds.SwiGLUExpert(H, Fh), num_experts=E, k=k, drop_tokens=False,
-                                 use_rts=False, top2_2nd_expert_sampling=False)
-    ds.set_deepspeed_parallelism()
-    layers["DeepSpeed MoE (drop_tokens=False)"] = ds
-    for name, cfg in [("LRMoE exact", {}), ("LRMoE retention 0.5", {"enabled": True, "retention_ratio": 0.5})]:
-        layer = lrmoe_ds.LRMoE(H, num_experts=E, k=k, ffn_hidden_size=Fh)
-        layer.configure(lrmoe_ds.LRMoEConfig(**cfg))
-        layers[name] = layer
-    rows = []
-    for T in args.tokens:
-        x = torch.randn(T, H, device=dev, dtype=dt)
-        grad = torch.randn_like(x)
-        flops = 3 * 2 * T * k * 3 * H * Fh
-        times = {}
-        for name, layer in layers.items():
-            layer = layer.to(dev, dt)
+    specs = row_specs(args)
+    cmd = " ".join(["python3 benchmarks/bench_layer.py"] + [shlex.quote(a) for a in sys.argv[1:]])
+    lines = [f"# One MoE layer, forward + backward, {torch.cuda.get_device_name()}", "",
+             f"Command: `{cmd}`", "",
+             (f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, bf16; lrmoe_ds CUDA ops: "
+             f"{'built' if cuda_ok else why}. Median of {args.reps} CUDA-event timings of forward + backward; "
+             f"retention rows: metric {args.metric}, router_grad {args.router_grad}, selection and the rest "
+             "at their defaults."),
+             ("speed vs X = X's time / this time (> 1: faster). memory = peak allocated during one forward + "
+             "backward minus what was allocated before it (layer, inputs, weight gradients already there); "
+             "TFLOP/s counts the exact layer's useful expert FLOPs (also for retention, which does less work)."),
+             "One LRMoE layer serves every LRMoE row of a table, reconfigured with `layer.configure` per row."]
 
-            def step():
-                xi = x.detach().requires_grad_(True)
-                out = layer(xi)[0]
-                out.backward(grad)
+    def write(table=()):
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write("\n".join(lines + list(table)) + "\n")
 
-            times[name] = median_ms(step, reps=args.reps, warmup=3, inner=1)
-            layer.zero_grad(set_to_none=True)
-            layers[name] = layer.cpu()
+    def emit(*new):
+        print(*new, sep="\n", flush=True)
+        lines.extend(new)
+        write()
+
+    emit("")
+    for shape in args.shapes:
+        title, H, Fh, E, k = SHAPES[shape]
+        layers = {}
+        for kind in dict.fromkeys(kind for _, kind, _ in specs):  # built once per shape, kept on the CPU in bf16
+            torch.manual_seed(0)
+            layers[kind] = build(kind, H, Fh, E, k).to(dt)
+        for T in args.tokens:
+            emit(f"## {title} (H {H}, F {Fh} SwiGLU, {E} experts, top-{k}), {T} tokens", "",
+                 "| layer | ms | TFLOP/s | speed vs anchor | speed vs DeepSpeed | memory GiB | memory vs 1.0 stash |",
+                 "| --- | --- | --- | --- | --- | --- | --- |")
+            torch.manual_seed(T)
+            x = torch.randn(T, H, device=dev, dtype=dt)
+            grad = torch.randn_like(x)
+            flops = 3 * 2 * T * k * 3 * H * Fh
+            ms, mem, failed, on_gpu = {}, {}, {}, None
+
+            for name, kind, block in specs:
+                if on_gpu != kind:
+                    if on_gpu is not None:
+                        layers[on_gpu] = layers[on_gpu].cpu()
+                        torch.cuda.empty_cache()
+                    layers[kind], on_gpu = layers[kind].to(dev), kind
+                layer = layers[kind]
+                try:
+                    if block is not None:
+                        layer.configure(lrmoe_ds.LRMoEConfig(**block))
+                    ms[name], mem[name] = measure(layer, x, grad, args.reps)
+                except Exception as err:  # noqa: BLE001  (one failing row must not lose the others)
+                    failed[name] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:120]}"
+                layer.zero_grad(set_to_none=True)
+                torch.cuda.empty_cache()
+                print(render(name, ms, mem, failed, flops), flush=True)
+                write([render(n, ms, mem, failed, flops) for n, _, _ in specs if n in ms or n in failed])
+            layers[on_gpu] = layers[on_gpu].cpu()
+            del x, grad
             torch.cuda.empty_cache()
-        anchor = times["grouped_mm dropless (anchor)"]
-        for name, ms in times.items():
-            rows.append(f"| {T} | {name} | {ms:.2f} | {flops / ms / 1e9:.0f} | {anchor / ms:.2f} |")
-    lines = [f"# One MoE layer, forward + backward, {torch.cuda.get_device_name()} (torch {torch.__version__})", "",
-             f"Command: `python3 benchmarks/bench_layer.py` (bf16; H {H}, F {Fh} SwiGLU, {E} experts, top-{k}; "
-             f"median of {args.reps} CUDA-event timings). lrmoe_ds CUDA ops: {'built' if cuda_ok else why}.",
-             "TFLOP/s counts the exact layer's useful expert FLOPs (also for retention, which does less work); "
-             "ratio = anchor time / this time.", "",
-             "| tokens | layer | ms | TFLOP/s | ratio to anchor |", "| --- | --- | --- | --- | --- |"] + rows
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+            table = [render(n, ms, mem, failed, flops) for n, _, _ in specs]  # now with every ratio
+            lines.extend(table + [""])
+            write()
+            print("complete table:", *lines[-len(table) - 3:], sep="\n", flush=True)
+        del layers
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

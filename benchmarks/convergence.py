@@ -1,0 +1,181 @@
+"""Convergence of retention: train.py three times on one ds_config, same seed and steps, with the "lrmoe" block
+set to exact (enabled false), retention 0.5 by grad_norm, and retention 0.5 by uniform sampling.
+
+    python3 benchmarks/convergence.py --base_config ds_configs/h200.json --num_gpus 1
+    python3 benchmarks/convergence.py --base_config ds_configs/cpu_ep2.json --num_gpus 2 --steps 20 \\
+        --extra --eval_every 10 --layers 2
+
+Each run gets a copy of the base config with its "lrmoe" block updated (the base's other lrmoe keys kept) and
+its own csv_monitor job, and is launched as ``deepspeed --num_gpus N train.py --deepspeed_config <copy>
+--summary_json <f> --seed S [--steps N] --save_dir '' [--extra ...]`` (a --save_dir in --extra wins). Writes
+<out_dir>/convergence_<name>.md (final held-out loss, gap to exact, times, held-out loss at every eval) and
+convergence_<name>.png (smoothed Train/loss and the Eval/loss points, one colour per run). Configs, logs,
+summaries and csv files stay in --work_dir.
+"""
+import argparse
+import csv
+import json
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUNS = {  # --runs name: (label, keys set in the "lrmoe" block)
+    "exact": ("exact (enabled false)", {"enabled": False, "retention_ratio": 1.0}),
+    "grad_norm": ("retention 0.5, grad_norm", {"enabled": True, "retention_ratio": 0.5, "metric": "grad_norm"}),
+    "uniform": ("retention 0.5, uniform", {"enabled": True, "retention_ratio": 0.5, "metric": "uniform"}),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--base_config", required=True, help="the ds_config to start from (its train_py block is kept)")
+    p.add_argument("--num_gpus", type=int, default=1, help="ranks per run (CPU ranks on a machine without GPUs)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the config's / train.py's)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
+    p.add_argument("--name", default=None, help="results are convergence_<name>.md/.png (default: the config's name)")
+    p.add_argument("--out_dir", default=os.path.join(ROOT, "benchmarks", "results"))
+    p.add_argument("--work_dir", default=None, help="configs, logs, summaries, csv (default: runs/convergence_<name>)")
+    p.add_argument("--reuse", action="store_true", help="collect a run whose summary is already in --work_dir")
+    p.add_argument("--smooth", type=float, default=None,
+                   help="EMA factor of the plotted Train/loss (default: 1 - 50 / number of logged points, >= 0)")
+    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="the rest goes to train.py as it is")
+    args = p.parse_args(argv)
+    args.name = args.name or os.path.splitext(os.path.basename(args.base_config))[0]
+    args.work_dir = os.path.abspath(args.work_dir or os.path.join(ROOT, "runs", f"convergence_{args.name}"))
+    return args
+
+
+def read_csv(path):
+    """[(step, value)] of a csv_monitor file, [] when missing."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [(int(float(r[0])), float(r[1])) for r in list(csv.reader(f))[1:] if r]
+
+
+def launch(args, run, base):
+    """Run train.py for one run; returns its result dict (summary, curves, rc, wall seconds)."""
+    config = json.loads(json.dumps(base))
+    config["lrmoe"] = {**(config.get("lrmoe") or {}), **RUNS[run][1]}
+    job = f"{args.name}_{run}"
+    config["csv_monitor"] = {"enabled": True, "output_path": os.path.join(args.work_dir, "csv"), "job_name": job}
+    cfg_path, summary = (os.path.join(args.work_dir, f"{run}{ext}") for ext in (".json", ".summary.json"))
+    log_path, csv_dir = os.path.join(args.work_dir, f"{run}.log"), os.path.join(args.work_dir, "csv", job)
+    rc, wall, wall_path = 0, None, os.path.join(args.work_dir, f"{run}.wall.json")
+    if not (args.reuse and os.path.exists(summary)):
+        shutil.rmtree(csv_dir, ignore_errors=True)  # the csv monitor appends: start its files afresh
+        if os.path.exists(summary):
+            os.remove(summary)
+        with open(cfg_path, "w") as f:
+            json.dump(config, f, indent=1)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        launcher = [shutil.which("deepspeed")] if shutil.which("deepspeed") else [sys.executable, "-m",
+                                                                                  "deepspeed.launcher.runner"]
+        cmd = launcher + ["--num_gpus", str(args.num_gpus), "--master_port", str(port), os.path.join(ROOT, "train.py"),
+                          "--deepspeed_config", cfg_path, "--summary_json", summary, "--seed", str(args.seed),
+                          "--save_dir", ""] + (["--steps", str(args.steps)] if args.steps else []) + args.extra
+        print(f"[{run}] {shlex.join(cmd)}\n[{run}] log: {log_path}", flush=True)
+        t0 = time.time()
+        with open(log_path, "w") as log:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+        wall = time.time() - t0
+        with open(wall_path, "w") as f:
+            json.dump({"wall": wall}, f)
+    elif os.path.exists(wall_path):
+        with open(wall_path) as f:
+            wall = json.load(f)["wall"]
+    result = {"run": run, "rc": rc, "wall": wall, "log": log_path, "summary": None,
+              "train": read_csv(os.path.join(csv_dir, "Train_loss.csv")),
+              "eval": read_csv(os.path.join(csv_dir, "Eval_loss.csv"))}
+    if rc == 0 and os.path.exists(summary):
+        with open(summary) as f:
+            result["summary"] = json.load(f)
+        result["eval"] = result["eval"] or [tuple(e) for e in result["summary"]["evals"]]
+        print(f"[{run}] held-out loss {result['summary']['end_loss']:.4f}, wall {wall or 0:.0f} s", flush=True)
+    else:
+        with open(log_path) as f:
+            tail = f.readlines()[-15:]
+        print(f"[{run}] FAILED (rc {rc}), last lines of {log_path}:\n" + "".join(tail), flush=True)
+    return result
+
+
+def report(args, results, cmd):
+    exact = next((r["summary"]["end_loss"] for r in results if r["run"] == "exact" and r["summary"]), None)
+    lines = [f"# Convergence with retention: {args.name}", "", f"Command: `{cmd}`", "",
+             (f"Base config `{os.path.relpath(os.path.abspath(args.base_config), ROOT)}`, {args.num_gpus} rank(s), "
+             f"seed {args.seed}, steps {args.steps or 'from the config / train.py'}, train.py extra flags: "
+             f"`{shlex.join(args.extra) or 'none'}`. Held-out loss in nats/byte (train.py's summary `end_loss`); "
+             "gap = (loss - exact) / exact; train s excludes evals; wall s is the whole launch."), "",
+             "| run | lrmoe block | final held-out loss | gap to exact | train s | wall s |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        label, block = RUNS[r["run"]][0], json.dumps(RUNS[r["run"]][1])
+        s = r["summary"]
+        if s is None:
+            lines.append(f"| {label} | `{block}` | failed (rc {r['rc']}, `{r['log']}`) | | | |")
+            continue
+        gap = f"{(s['end_loss'] - exact) / exact * 100:+.2f}%" if exact else "-"
+        wall = f"{r['wall']:.0f}" if r["wall"] is not None else "(reused)"
+        lines.append(f"| {label} | `{block}` | {s['end_loss']:.4f} | {gap} | {s['train_seconds']:.0f} | {wall} |")
+    steps = sorted({st for r in results for st, _ in r["eval"]})
+    lines += ["", "Held-out loss at every eval:", "", "| step | " + " | ".join(RUNS[r["run"]][0] for r in results) + " |",
+              "| --- |" + " --- |" * len(results)]
+    for st in steps:
+        vals = [dict(r["eval"]).get(st) for r in results]
+        lines.append(f"| {st} | " + " | ".join("-" if v is None else f"{v:.4f}" for v in vals) + " |")
+    lines += ["", f"![curves](convergence_{args.name}.png)", ""]
+    return "\n".join(lines)
+
+
+def plot(args, results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, r in enumerate(results):
+        color, label = f"C{i}", RUNS[r["run"]][0]
+        if r["train"]:
+            steps, raw = zip(*r["train"])
+            a = args.smooth if args.smooth is not None else max(0.0, 1 - 50 / len(raw))  # ~len/50 points of memory
+            smoothed, ema = [], raw[0]
+            for v in raw:
+                ema = a * ema + (1 - a) * v
+                smoothed.append(ema)
+            ax.plot(steps, raw, color=color, alpha=0.15, linewidth=0.8)
+            ax.plot(steps, smoothed, color=color, alpha=0.9, label=f"{label}: train (EMA {a:.2f})")
+        if r["eval"]:
+            ax.plot(*zip(*r["eval"]), "o--", color=color, markersize=5, linewidth=0.8, label=f"{label}: held-out")
+    ax.set(xlabel="step", ylabel="loss (nats/byte)", title=f"train.py, {args.name}: exact vs retention 0.5")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    args = parse_args()
+    cmd = shlex.join(["python3", "benchmarks/convergence.py"] + sys.argv[1:])
+    with open(args.base_config) as f:
+        base = json.load(f)
+    os.makedirs(args.work_dir, exist_ok=True)
+    os.makedirs(args.out_dir, exist_ok=True)
+    results = [launch(args, run, base) for run in args.runs]
+    md, png = (os.path.join(args.out_dir, f"convergence_{args.name}{ext}") for ext in (".md", ".png"))
+    text = report(args, results, cmd)
+    with open(md, "w") as f:
+        f.write(text)
+    plot(args, results, png)
+    print(text, f"wrote {md} and {png}", sep="\n")
+    return 0 if all(r["summary"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
