@@ -17,8 +17,9 @@ import torch.distributed as dist
 
 from lrmoe_ds import ops
 
-#: number of collective calls made by dispatchers in this process, by name (tests read it)
+#: collective calls made by dispatchers in this process, and the bytes each rank sent, by name
 COLLECTIVE_CALLS: Counter = Counter()
+COLLECTIVE_BYTES: Counter = Counter()
 
 
 def _inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
@@ -34,7 +35,7 @@ class DispatchPlan:
     send_splits / recv_splits: rows to / from each EP rank (host ints).
     regroup [M] / regroup_inverse [M]: received row order -> grouped by local expert (None if R == 1).
     group_sizes [E_l] (device) and group_sizes_host: rows per local expert.
-    global_counts [E] (host): n_e, pairs routed to each expert over the EP group.
+    all_counts [R, E] (host): pairs from each EP rank to each expert; n_e = all_counts.sum(0).
     """
     order: torch.Tensor
     row_of_pair: torch.Tensor
@@ -44,7 +45,23 @@ class DispatchPlan:
     regroup_inverse: Optional[torch.Tensor]
     group_sizes: torch.Tensor
     group_sizes_host: List[int]
-    global_counts: torch.Tensor
+    all_counts: torch.Tensor
+
+
+@dataclass
+class CompactPlan:
+    """The backward's exchange of retained rows only (sizes known on every rank from the quota shares).
+
+    send_splits / recv_splits: retained rows to / from each EP rank (host ints).
+    regroup [M'] / regroup_inverse [M']: received retained rows -> grouped by local expert (None if R == 1).
+    group_sizes [E_l] (device) and group_sizes_host: retained rows per local expert.
+    """
+    send_splits: List[int]
+    recv_splits: List[int]
+    regroup: Optional[torch.Tensor]
+    regroup_inverse: Optional[torch.Tensor]
+    group_sizes: torch.Tensor
+    group_sizes_host: List[int]
 
 
 class _GatherRows(torch.autograd.Function):
@@ -103,6 +120,7 @@ class _AllToAll(torch.autograd.Function):
 def _all_to_all(x, recv_splits, send_splits, group):
     out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
     COLLECTIVE_CALLS["all_to_all"] += 1
+    COLLECTIVE_BYTES["all_to_all"] += x.numel() * x.element_size()
     dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
     return out
 
@@ -129,7 +147,7 @@ class AllToAllDispatcher:
             counts_host = counts.cpu()
             sizes = counts_host.tolist()
             return DispatchPlan(order, row_of_pair, [sum(sizes)], [sum(sizes)], None, None, counts, sizes,
-                                counts_host)
+                                counts_host.unsqueeze(0))
         if self.ep_group is None:
             raise RuntimeError("ep_size > 1 but the layer has no expert-parallel group: build the model's "
                                "engine with lrmoe_ds.initialize (or deepspeed.initialize) first")
@@ -144,10 +162,61 @@ class AllToAllDispatcher:
         recv_splits = mine.sum(1).tolist()
         group_sizes_host = mine.sum(0)
         device = topk_index.device
-        group_of_row = torch.repeat_interleave(torch.arange(El).repeat(R), mine.reshape(-1)).to(device)
+        regroup, regroup_inverse = self._regroup_for(mine, device)
+        return DispatchPlan(order, row_of_pair, send_splits, recv_splits, regroup, regroup_inverse,
+                            group_sizes_host.to(device), group_sizes_host.tolist(), all_counts)
+
+    def _regroup_for(self, counts: torch.Tensor, device):
+        """counts [R, E_l] host (rows from each rank to each local expert) -> received order -> grouped."""
+        El, R = self.num_local_experts, self.ep_size
+        group_of_row = torch.repeat_interleave(torch.arange(El).repeat(R), counts.reshape(-1)).to(device)
         _, regroup, _ = ops.routing_plan(group_of_row, El)
-        return DispatchPlan(order, row_of_pair, send_splits, recv_splits, regroup, _inverse_permutation(regroup),
-                            group_sizes_host.to(device), group_sizes_host.tolist(), all_counts.sum(0))
+        return regroup, _inverse_permutation(regroup)
+
+    def compact(self, shares: torch.Tensor, device) -> CompactPlan:
+        """shares [R, E] host: retained pairs from each rank to each expert -> the backward's CompactPlan."""
+        El, R = self.num_local_experts, self.ep_size
+        if R == 1:
+            sizes = shares[0].tolist()
+            return CompactPlan([sum(sizes)], [sum(sizes)], None, None, shares[0].to(device), sizes)
+        rank = dist.get_rank(self.ep_group)
+        mine = shares[:, rank * El:(rank + 1) * El]
+        regroup, regroup_inverse = self._regroup_for(mine, device)
+        return CompactPlan(shares[rank].view(R, El).sum(1).tolist(), mine.sum(1).tolist(), regroup, regroup_inverse,
+                           mine.sum(0).to(device), mine.sum(0).tolist())
+
+    # Plain (not autograd) exchanges, for callers that write their own backward. `splits` is the
+    # DispatchPlan of the forward or the CompactPlan of the backward's retained rows.
+    def to_experts(self, rows: torch.Tensor, splits) -> torch.Tensor:
+        """Rows in send order (grouped by global expert) -> rows at the experts, grouped by local expert."""
+        if self.ep_size == 1:
+            return rows
+        rows = _all_to_all(rows, splits.recv_splits, splits.send_splits, self.ep_group)
+        return ops.permute(rows, splits.regroup)
+
+    def from_experts(self, rows: torch.Tensor, splits) -> torch.Tensor:
+        """The reverse of :meth:`to_experts`."""
+        if self.ep_size == 1:
+            return rows
+        rows = ops.permute(rows, splits.regroup_inverse)
+        return _all_to_all(rows, splits.send_splits, splits.recv_splits, self.ep_group)
+
+    def positions_at_experts(self, kept: torch.Tensor, plan: DispatchPlan, compact: CompactPlan) -> torch.Tensor:
+        """Send-order positions of retained rows [P'] -> their positions among the forward's grouped
+        rows at the experts [M'] (in the compacted grouped order): where their stash is."""
+        if self.ep_size == 1:
+            return kept
+        R = self.ep_size
+        send_start = torch.tensor([0] + plan.send_splits[:-1], device=kept.device).cumsum(0)
+        dest = torch.repeat_interleave(torch.arange(R, device=kept.device),
+                                       torch.tensor(compact.send_splits, device=kept.device), output_size=kept.numel())
+        offset = (kept - send_start[dest]).unsqueeze(1)
+        offset = _all_to_all(offset, compact.recv_splits, compact.send_splits, self.ep_group).squeeze(1)
+        recv_start = torch.tensor([0] + plan.recv_splits[:-1], device=kept.device).cumsum(0)
+        src = torch.repeat_interleave(torch.arange(R, device=kept.device),
+                                      torch.tensor(compact.recv_splits, device=kept.device), output_size=offset.numel())
+        grouped = plan.regroup_inverse.index_select(0, recv_start[src] + offset)
+        return grouped.index_select(0, compact.regroup)
 
     def dispatch(self, x: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         """x [T, H] -> rows [M, H] grouped by local expert."""
@@ -157,13 +226,6 @@ class AllToAllDispatcher:
             return rows
         rows = _AllToAll.apply(rows, plan.recv_splits, plan.send_splits, self.ep_group)
         return _GatherRows.apply(rows, plan.regroup, plan.regroup_inverse.unsqueeze(1))
-
-    def dispatch_values(self, values: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-        """A per-pair value [T, K] (not differentiated) -> [M] in the grouped row order."""
-        rows = values.reshape(-1, 1).index_select(0, plan.order)
-        if self.ep_size > 1:
-            rows = _all_to_all(rows, plan.recv_splits, plan.send_splits, self.ep_group).index_select(0, plan.regroup)
-        return rows.reshape(-1)
 
     def combine(self, rows: torch.Tensor, topk_weight: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         """Expert outputs [M, H] grouped by local expert, gate weights [T, K] -> [T, H]."""

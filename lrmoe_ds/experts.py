@@ -1,5 +1,6 @@
-"""Experts: per-expert modules (each its own parameters, named as DeepSpeed's checkpoints expect) run
-as grouped work over variable-size groups of rows, with the backward restricted to retained rows.
+"""Experts: per-expert modules (each its own parameters, named as DeepSpeed's checkpoints expect), and
+the grouped MLP's forward and backward over variable-size groups of rows (the backward over the
+retained rows alone).
 """
 import copy
 from typing import List, Optional, Sequence
@@ -9,7 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from lrmoe_ds import ops
-from lrmoe_ds.retention import RetentionSpec, select_retained
 
 
 class SwiGLUExpert(nn.Module):
@@ -57,44 +57,33 @@ class GELUExpert(nn.Module):
 EXPERT_TYPES = {"swiglu": SwiGLUExpert, "gelu": GELUExpert}
 
 
-class _GroupedMLP(torch.autograd.Function):
-    """y = W2_g act(W1_g x) over groups of rows; the backward runs on the retained rows alone.
+def mlp_forward(x: torch.Tensor, w1: Sequence[torch.Tensor], w2: Sequence[torch.Tensor], act,
+                group_sizes: torch.Tensor):
+    """y_g = W2_g act(W1_g x_g) over groups of rows. Returns (h, y): pre-activations and outputs."""
+    h = ops.grouped_linear(x, w1, group_sizes)
+    return h, ops.grouped_linear(act(h), w2, group_sizes)
 
-    Saved for backward ("stash" policy): the inputs x and pre-activations h of every row.
+
+def mlp_backward(dy: torch.Tensor, x: torch.Tensor, h: Optional[torch.Tensor], w1: Sequence[torch.Tensor],
+                 w2: Sequence[torch.Tensor], act, group_sizes: torch.Tensor, want_output: bool = False):
+    """The backward of :func:`mlp_forward` over the rows given (the retained ones).
+
+    h None: recomputed from x (the "recompute" policy). Returns (dx, dw1, dw2, y) with y the
+    recomputed outputs if ``want_output`` (the retained-pairs router gradient needs them), else None.
     """
-
-    @staticmethod
-    def forward(ctx, x, group_sizes, act, retention: Optional[RetentionSpec], n_w1: int, *weights):
-        w1, w2 = weights[:n_w1], weights[n_w1:]
+    if h is None:
         h = ops.grouped_linear(x, w1, group_sizes)
-        y = ops.grouped_linear(act(h), w2, group_sizes)
-        ctx.save_for_backward(x, h, group_sizes, *weights)
-        ctx.act, ctx.retention, ctx.n_w1 = act, retention, n_w1
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, h, group_sizes, *weights = ctx.saved_tensors
-        w1, w2 = weights[:ctx.n_w1], weights[ctx.n_w1:]
-        dy = dy.contiguous()
-        num_rows, kept = x.shape[0], None
-        if ctx.retention is not None:
-            kept, scale, group_sizes = select_retained(dy, x, group_sizes, ctx.retention)
-            dy = ops.permute(dy, kept) * scale.to(dy.dtype).unsqueeze(1)
-            x, h = ops.permute(x, kept), ops.permute(h, kept)
-        with torch.enable_grad():
-            h_ = h.detach().requires_grad_(True)
-            a_ = ctx.act(h_)
-        a = a_.detach()
-        da = ops.grouped_linear_dgrad(dy, w2, group_sizes)
-        dw2 = ops.grouped_linear_wgrad(dy, a, group_sizes)
-        (dh,) = torch.autograd.grad(a_, h_, da)
-        dw1 = ops.grouped_linear_wgrad(dh, x, group_sizes)
-        dx = ops.grouped_linear_dgrad(dh, w1, group_sizes)
-        if kept is not None:
-            # dropped rows get no gradient through the expert
-            dx = dx.new_zeros(num_rows, dx.shape[1]).index_copy_(0, kept, dx)
-        return (dx, None, None, None, None, *dw1, *dw2)
+    with torch.enable_grad():
+        h_ = h.detach().requires_grad_(True)
+        a_ = act(h_)
+    a = a_.detach()
+    da = ops.grouped_linear_dgrad(dy, w2, group_sizes)
+    dw2 = ops.grouped_linear_wgrad(dy, a, group_sizes)
+    (dh,) = torch.autograd.grad(a_, h_, da)
+    dw1 = ops.grouped_linear_wgrad(dh, x, group_sizes)
+    dx = ops.grouped_linear_dgrad(dh, w1, group_sizes)
+    y = ops.grouped_linear(a, w2, group_sizes) if want_output else None
+    return dx, dw1, dw2, y
 
 
 @torch.no_grad()
@@ -137,19 +126,13 @@ class GroupedExperts(nn.Module):
                 p.allreduce = False
                 p.group_name = expert_group_name
 
-    def forward(self, x: torch.Tensor, group_sizes: torch.Tensor, group_sizes_host: Sequence[int],
-                retention: Optional[RetentionSpec] = None) -> torch.Tensor:
-        """x [M, H] rows grouped by local expert; group_sizes [G] on x's device and as host ints."""
-        if self.grouped:
-            w1 = [e.projections()[0] for e in self.deepspeed_experts]
-            w2 = [e.projections()[1] for e in self.deepspeed_experts]
-            act = self.deepspeed_experts[0].act
-            return _GroupedMLP.apply(x, group_sizes, act, retention, len(w1), *w1, *w2)
-        if retention is not None:
-            raise NotImplementedError(
-                "retention needs grouped experts (SwiGLUExpert or GELUExpert); this layer's expert is "
-                f"{type(self.deepspeed_experts[0]).__name__}. Set \"lrmoe\": {{\"enabled\": false}} or "
-                "use a built-in expert.")
+    def projections(self):
+        """(w1 list, w2 list, act) of the built-in experts, for the grouped path."""
+        experts = self.deepspeed_experts
+        return [e.projections()[0] for e in experts], [e.projections()[1] for e in experts], experts[0].act
+
+    def forward(self, x: torch.Tensor, group_sizes_host: Sequence[int]) -> torch.Tensor:
+        """Any expert module, in a per-expert loop: x [M, H] rows grouped by local expert (exact)."""
         outs: List[torch.Tensor] = []
         for expert, chunk in zip(self.deepspeed_experts, x.split(list(group_sizes_host))):
             out = expert(chunk)

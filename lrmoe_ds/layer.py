@@ -17,7 +17,9 @@ from lrmoe_ds import ops
 from lrmoe_ds.config import LRMoEConfig
 from lrmoe_ds.dispatcher import AllToAllDispatcher, DispatchPlan
 from lrmoe_ds.experts import EXPERT_TYPES, GroupedExperts
-from lrmoe_ds.retention import RetentionSpec, water_fill_quotas
+from lrmoe_ds.pipeline import RoutedMLP
+from lrmoe_ds.quotas import MemoryPlan, RetentionStats, expert_row_bytes, plan_quotas, rank_shares
+from lrmoe_ds.retention import BackwardSpec
 from lrmoe_ds.router import Router
 
 
@@ -104,8 +106,18 @@ class LRMoE(MoE):
             self.coefficient = nn.Linear(hidden_size, 2)
         self.lrmoe_config = LRMoEConfig()
         self.layer_number = 0
-        # training forwards so far: seeds the retention sampling; a buffer, so checkpoints restore it
+        self.memory_plan = MemoryPlan()          # the memory planner overwrites it
+        self.last_stats: Optional[RetentionStats] = None
+        self.last_selection: Optional[dict] = None  # filled by the backward when keep_last_selection
+        self.keep_last_selection = False
+        # training forwards so far: seeds the retention sampling; a buffer, so checkpoints restore it.
+        # A host copy avoids reading the device buffer (a synchronisation) every forward.
         self.register_buffer("retention_step", torch.zeros((), dtype=torch.long))
+        self._retention_step_host: Optional[int] = None
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self._retention_step_host = None  # re-read from the loaded buffer
 
     def configure(self, config: LRMoEConfig, layer_number: int = 0) -> None:
         """Apply the "lrmoe" block (``lrmoe_ds.initialize`` calls this for every layer)."""
@@ -115,21 +127,34 @@ class LRMoE(MoE):
                              f"but LRMoE layer {layer_number} has {expert} experts")
         ops.set_default_backend(config.ops_backend)
         self.lrmoe_config, self.layer_number = config, layer_number
+        # "auto" starts from stash; the memory planner switches a layer to recompute if it must
+        self.memory_plan = MemoryPlan("stash" if config.policy == "auto" else config.policy)
 
-    def _retention_spec(self, plan: DispatchPlan, topk_weight: torch.Tensor,
-                        rows: torch.Tensor) -> Optional[RetentionSpec]:
+    def _backward_spec(self, plan: DispatchPlan, dtype: torch.dtype) -> BackwardSpec:
+        """Quotas and shares from the global counts (the same on every rank), and the backward's settings."""
         cfg = self.lrmoe_config
-        if not (cfg.enabled and self.training and torch.is_grad_enabled()) or cfg.retention_ratio >= 1.0:
-            return None
-        ep_rank = 0 if self.ep_size == 1 else dist.get_rank(self.deepspeed_moe.dispatcher.ep_group)
-        quotas = water_fill_quotas(plan.global_counts, cfg.retention_ratio)
-        quotas = quotas[ep_rank * self.num_local_experts:(ep_rank + 1) * self.num_local_experts]
-        key = f"{cfg.seed}/{self.layer_number}/{int(self.retention_step)}/{ep_rank}".encode()
+        if not (cfg.enabled and self.training and torch.is_grad_enabled()):
+            return BackwardSpec()
+        n = plan.all_counts.sum(0)
+        quotas = plan_quotas(n, cfg.retention_ratio, self.ep_size, cfg.floor, cfg.balance_factor,
+                             self.memory_plan.max_rows_per_rank)
+        exact = torch.equal(quotas, n)
+        policy = self.memory_plan.policy
+        expert = self.deepspeed_moe.experts.deepspeed_experts[0]
+        ffn = expert.projections()[1].shape[1]  # the second projection is [H, F]
+        stash_bytes, backward_bytes = expert_row_bytes(self.hidden_size, ffn, expert.activation,
+                                                       torch.finfo(dtype).bits // 8)
+        R = self.ep_size
+        self.last_stats = RetentionStats(n, quotas, n.view(R, -1).sum(1), quotas.view(R, -1).sum(1), policy,
+                                         stash_bytes, backward_bytes)
+        if self._retention_step_host is None:
+            self._retention_step_host = int(self.retention_step)
+        rank = dist.get_rank() if dist.is_initialized() else 0  # every rank samples its own pairs
+        key = f"{cfg.seed}/{self.layer_number}/{self._retention_step_host}/{rank}".encode()
         seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
-        row_gate = None
-        if cfg.metric == "gate":
-            row_gate = self.deepspeed_moe.dispatcher.dispatch_values(topk_weight.detach(), plan)
-        return RetentionSpec(quotas.to(rows.device), cfg.metric, cfg.selection, seed, row_gate)
+        self.last_selection = {} if self.keep_last_selection else None
+        return BackwardSpec(policy, cfg.router_grad, None if exact else rank_shares(quotas, plan.all_counts),
+                            cfg.metric, cfg.selection, cfg.rescale, seed, self.last_selection)
 
     def forward(self, hidden_states: torch.Tensor,
                 used_token: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -142,12 +167,18 @@ class LRMoE(MoE):
         x = hidden_states.reshape(-1, self.hidden_size)
         routing = moe.gate(x)
         plan = moe.dispatcher.plan(routing.topk_index, routing.counts)
-        rows = moe.dispatcher.dispatch(x, plan)
-        retention = self._retention_spec(plan, routing.topk_weight, rows)
+        if moe.experts.grouped:
+            spec = self._backward_spec(plan, x.dtype)
+            w1, w2, act = moe.experts.projections()
+            out = RoutedMLP.apply(x, routing.topk_weight, plan, moe.dispatcher, act, spec, len(w1), *w1, *w2)
+        else:
+            rows = moe.dispatcher.dispatch(x, plan)
+            out = moe.dispatcher.combine(moe.experts(rows, plan.group_sizes_host), routing.topk_weight, plan)
         if self.training:
             self.retention_step += 1
-        expert_out = moe.experts(rows, plan.group_sizes, plan.group_sizes_host, retention)
-        out = moe.dispatcher.combine(expert_out, routing.topk_weight, plan).view_as(hidden_states)
+            if self._retention_step_host is not None:
+                self._retention_step_host += 1
+        out = out.view_as(hidden_states)
         if self.use_residual:
             mlp_out = self.mlp(hidden_states)
             mlp_out = mlp_out[0] if isinstance(mlp_out, tuple) else mlp_out

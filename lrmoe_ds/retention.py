@@ -18,71 +18,56 @@ Selection = Literal["priority_sampling", "topk"]
 
 
 @dataclass
-class RetentionSpec:
-    """Per-call retention settings, made in the forward and read in the backward.
+class BackwardSpec:
+    """How one layer call's expert backward runs; made in the forward, read in the backward.
 
-    quotas [G] int64: pairs of each local group whose backward runs.
-    row_gate [M] or None: gate weight of each grouped row (the "gate" metric needs it).
-    seed: the seed of this call's sampling (differs per layer, step and rank).
+    policy: "stash" or "recompute".  router_grad: "exact" or "retained".
+    shares [R, E] int64 host or None: retained pairs from each source rank to each expert (None:
+        every pair is kept, the exact backward).
+    metric, selection, rescale, seed: the sampling (the seed differs per layer, step and rank).
+    record: a dict the backward fills with its selection (``kept``, ``scale``, ``pairs``), or None.
     """
-    quotas: torch.Tensor
-    metric: Metric
-    selection: Selection
-    seed: int
-    row_gate: Optional[torch.Tensor] = None
+    policy: str = "stash"
+    router_grad: str = "exact"
+    shares: Optional[torch.Tensor] = None
+    metric: Metric = "grad_norm"
+    selection: Selection = "priority_sampling"
+    rescale: bool = True
+    seed: int = 0
+    record: Optional[dict] = None
 
 
-def pair_metric(dy: torch.Tensor, x: torch.Tensor, spec: RetentionSpec) -> torch.Tensor:
-    """m_p for each grouped row: ||dy_p|| ||x_p|| (the size of p's rank-1 term in the expert's weight
-    gradient; dy_p already carries the gate weight), the gate weight, or 1."""
-    if spec.metric == "grad_norm":
-        return dy.float().norm(dim=1) * x.float().norm(dim=1)
-    if spec.metric == "gate":
-        if spec.row_gate is None:
-            raise ValueError("the 'gate' retention metric needs the gate weight of every row")
-        return spec.row_gate.float()
-    return torch.ones(dy.shape[0], device=dy.device)
+def pair_metric(metric: Metric, gate: torch.Tensor, dout_norm: Optional[torch.Tensor],
+                x_norm: Optional[torch.Tensor]) -> torch.Tensor:
+    """m_p for each pair: g_p ||dy_t|| ||x_t|| ("grad_norm": the size of p's rank-1 term in its
+    expert's weight gradient), g_p ("gate"), or 1 ("uniform"). All arguments per pair [P]."""
+    if metric == "grad_norm":
+        return gate.float() * dout_norm * x_norm
+    if metric == "gate":
+        return gate.float()
+    if metric == "uniform":
+        return torch.ones_like(gate, dtype=torch.float32)
+    raise ValueError(f"unknown retention metric {metric!r}")
 
 
-def select_retained(dy: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor, spec: RetentionSpec):
-    """Choose the retained rows of a grouped backward.
+def select_retained(metric: torch.Tensor, group_sizes: torch.Tensor, quotas: torch.Tensor,
+                    selection: Selection = "priority_sampling", seed: int = 0):
+    """Choose the retained pairs of each group.
 
-    dy [M, N], x [M, H] grouped rows; group_sizes [G].
-    Returns kept [M'] (grouped positions, grouped order), scale [M'] fp32, kept_sizes [G].
+    metric [P] (pairs in grouped order), group_sizes [G], quotas [G].
+    Returns kept [P'] (grouped positions, grouped order), scale [P'] fp32 (the unbiased weights;
+    ones for "topk"), kept_sizes [G] = min(quota, size).
     """
-    metric = pair_metric(dy, x, spec)
-    if spec.selection == "topk":
-        kept, kept_sizes, _ = ops.topk_retention(metric, group_sizes, spec.quotas)
-        return kept, torch.ones(kept.numel(), device=dy.device), kept_sizes
-    gen = torch.Generator(device=dy.device).manual_seed(spec.seed)
-    u = 1.0 - torch.rand(metric.shape, generator=gen, device=dy.device)  # (0, 1]
+    if selection == "topk":
+        kept, kept_sizes, _ = ops.topk_retention(metric, group_sizes, quotas)
+        return kept, torch.ones(kept.numel(), device=metric.device), kept_sizes
+    gen = torch.Generator(device=metric.device).manual_seed(seed)
+    u = 1.0 - torch.rand(metric.shape, generator=gen, device=metric.device)  # (0, 1]
     keys = metric / u
-    kept, kept_sizes, tau = ops.topk_retention(keys, group_sizes, spec.quotas)
+    kept, kept_sizes, tau = ops.topk_retention(keys, group_sizes, quotas)
     m = metric.index_select(0, kept)
     tau_row = torch.repeat_interleave(tau, kept_sizes, output_size=kept.numel())
     # tau = 0 means the whole group is kept: weight 1. Where tau > 0 a kept key is >= tau > 0, so m > 0.
     scale = torch.where(tau_row > 0, torch.clamp(tau_row / m.clamp_min(torch.finfo(m.dtype).tiny), min=1.0),
                         torch.ones_like(m))
     return kept, scale, kept_sizes
-
-
-def water_fill_quotas(counts: torch.Tensor, retention_ratio: float) -> torch.Tensor:
-    """Quotas from above: cold experts keep every pair, the hottest are capped first.
-
-    counts [E] int64 (n_e, host-side). Returns Q_e = min(n_e, c) with the largest integer cap c
-    such that sum_e Q_e <= retention_ratio * sum_e n_e (ratio 1: Q = n, exact).
-    """
-    if not 0.0 < retention_ratio <= 1.0:
-        raise ValueError(f"retention_ratio must be in (0, 1], got {retention_ratio}")
-    if retention_ratio >= 1.0:
-        return counts.long().cpu().clone()
-    n = counts.long().cpu()
-    budget = int(retention_ratio * int(n.sum()))
-    lo, hi = 0, int(n.max()) if n.numel() else 0
-    while lo < hi:  # largest c with sum(min(n, c)) <= budget
-        mid = (lo + hi + 1) // 2
-        if int(torch.minimum(n, torch.tensor(mid)).sum()) <= budget:
-            lo = mid
-        else:
-            hi = mid - 1
-    return torch.minimum(n, torch.tensor(lo))

@@ -143,6 +143,7 @@ def run_train(args):
     retention = {"enabled": True, "retention_ratio": 0.5, "seed": 7}
     runs = [train_steps(make_engine(2, retention), data) for _ in range(2)]
     result["retention"] = {"losses": runs[0], "repeat_equal": runs[0] == runs[1]}
+    result["retention_ep2"] = run_retention_ep2(data)
     # every token to experts 0 and 1 (every token's MoE input is e_0, and only experts 0 and 1
     # score on it): EP rank 1's experts get no row, in the forward and the backward
     engine = make_engine(0)
@@ -162,6 +163,52 @@ def run_train(args):
     dist.all_reduce(flags)
     result["empty_rank"] = {"loss_finite": bool(torch.isfinite(loss)), "experts_idle_per_rank": flags.tolist()}
     return result
+
+
+def one_step_grads(lrmoe, data, keep_selection=False):
+    """Loss, full gradients and a2a bytes (forward, backward) of one step of an ep_size-2 ZeRO-0 engine."""
+    engine = make_engine(0, lrmoe)
+    moe = engine.module.moe
+    moe.keep_last_selection = keep_selection
+    x, y = data[0]
+    dispatcher_module.COLLECTIVE_BYTES.clear()
+    loss = F.mse_loss(engine(my_slice(x)), my_slice(y))
+    forward_bytes = dispatcher_module.COLLECTIVE_BYTES["all_to_all"]
+    engine.backward(loss)
+    backward_bytes = dispatcher_module.COLLECTIVE_BYTES["all_to_all"] - forward_bytes
+    grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
+    return float(loss), grads, (forward_bytes, backward_bytes), engine
+
+
+def run_retention_ep2(data):
+    """ep_size 2: ratio 1 is bit-exact under both policies; at 0.5 every rank keeps exactly its share
+    of every expert's quota, the shares add up to the quotas, only retained rows travel back, and
+    stash and recompute give the same gradients."""
+    out = {}
+    loss0, grads0, bytes0, _ = one_step_grads(None, data)
+    for policy in ("stash", "recompute"):
+        loss1, grads1, _, _ = one_step_grads({"enabled": True, "retention_ratio": 1.0, "policy": policy}, data)
+        out[f"ratio1_{policy}_bit_exact"] = loss1 == loss0 and all(torch.equal(grads1[n], grads0[n]) for n in grads0)
+    half = {}
+    for policy in ("stash", "recompute"):
+        cfg = {"enabled": True, "retention_ratio": 0.5, "policy": policy, "seed": 3}
+        half[policy] = one_step_grads(cfg, data, keep_selection=True)
+    _, grads_s, bytes_s, engine = half["stash"]
+    moe = engine.module.moe
+    stats = moe.last_stats
+    pairs = moe.last_selection["pairs"]
+    with torch.no_grad():
+        moe_input = engine.module.inp(my_slice(data[0][0])).reshape(-1, H)
+    experts_of_pairs = moe.deepspeed_moe.gate(moe_input).topk_index.reshape(-1)[pairs]
+    kept = torch.bincount(experts_of_pairs, minlength=E)
+    total_kept = kept.clone()
+    dist.all_reduce(total_kept)
+    out["kept_equals_quotas"] = torch.equal(total_kept, stats.quotas) and int(stats.quotas.sum()) < int(
+        stats.counts.sum())
+    out["grads_stash_vs_recompute"] = max(rel(grads_s[n], half["recompute"][1][n]) for n in grads_s)
+    out["a2a_bytes"] = {"exact_forward": bytes0[0], "exact_backward": bytes0[1],
+                        "half_stash_backward": bytes_s[1], "half_recompute_backward": half["recompute"][2][1]}
+    return out
 
 
 def params_of(engine):

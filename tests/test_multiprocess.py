@@ -37,6 +37,14 @@ def test_multi_rank_matches_single_process(tmp_path):
     assert result["zero2_ep1"]["collectives_per_step"] == {}  # ep_size 1: the layer communicates not at all
     assert result["retention"]["repeat_equal"], result["retention"]
     assert all(l == l for l in result["retention"]["losses"])  # finite, not NaN
+    ep2 = result["retention_ep2"]
+    print("retention_ep2", ep2)
+    assert ep2["ratio1_stash_bit_exact"] and ep2["ratio1_recompute_bit_exact"], ep2
+    assert ep2["kept_equals_quotas"], ep2                    # each rank kept its share; shares add up
+    assert ep2["grads_stash_vs_recompute"] < 1e-6, ep2
+    sizes = ep2["a2a_bytes"]                                 # only retained rows travel in the backward
+    assert sizes["half_stash_backward"] < 0.75 * sizes["exact_backward"], sizes
+    assert sizes["exact_forward"] == sizes["exact_backward"], sizes
     assert result["empty_rank"] == {"loss_finite": True, "experts_idle_per_rank": [0.0, 1.0]}, result["empty_rank"]
 
 

@@ -1,50 +1,76 @@
-"""Retention: quotas, priority sampling (unbiased), the topk ablation, and the layer's retained backward."""
+"""Retention: quotas and shares, priority sampling (unbiased), the topk ablation, and the layer's
+retained backward (exact at ratio 1, equal to a reference over exactly the selected pairs, both
+activation policies, both router gradients, the bytes saved for backward)."""
 import pytest
 import torch
 
 import lrmoe_ds
-from lrmoe_ds.retention import RetentionSpec, select_retained, water_fill_quotas
+from lrmoe_ds.quotas import plan_quotas, rank_shares
+from lrmoe_ds.retention import BackwardSpec, select_retained
+from moe_reference import expert_forward
 
-H, F, E, T = 8, 6, 4, 64
+H, F, E, T, K = 8, 6, 4, 64, 2
 
+
+# ---- quotas -------------------------------------------------------------------------------------
 
 def test_water_fill_caps_hottest_first():
     counts = torch.tensor([100, 10, 40, 0, 50])
-    q = water_fill_quotas(counts, 0.5)
-    assert int(q.sum()) <= 100 and int(q.sum()) >= 100 - len(counts)  # the budget, up to rounding
+    q = plan_quotas(counts, 0.5)
+    assert 100 - len(counts) <= int(q.sum()) <= 100   # the target, up to rounding
     assert q[1] == 10 and q[3] == 0                  # cold experts keep every pair
     assert q[0] == q[4] == q[2] == q.max()           # the hot ones share one cap
-    assert torch.equal(water_fill_quotas(counts, 1.0), counts)
+    assert torch.equal(plan_quotas(counts, 1.0), counts)
     with pytest.raises(ValueError, match="retention_ratio"):
-        water_fill_quotas(counts, 0.0)
+        plan_quotas(counts, 0.0)
 
 
-def _spec(quotas, selection="priority_sampling", seed=0):
-    return RetentionSpec(torch.tensor(quotas), "grad_norm", selection, seed)
+def test_floor_budget_and_balance():
+    counts = torch.tensor([90, 30, 5, 5, 60, 10])    # 2 ranks: experts 0-2 and 3-5
+    assert plan_quotas(counts, 0.5, floor=0.5)[0] == 45                      # the floor wins over the target
+    capped = plan_quotas(counts, 1.0, ep_size=2, max_rows_per_rank=40)
+    per_rank = capped.view(2, 3).sum(1)
+    assert torch.all(per_rank <= 40) and torch.all(per_rank >= 40 - 3) and capped[2] == 5  # cold expert kept
+    balanced = plan_quotas(counts, 0.6, ep_size=2, balance_factor=1.0)
+    per_rank = balanced.view(2, 3).sum(1)
+    assert int(per_rank.max()) <= float(plan_quotas(counts, 0.6).sum()) / 2    # no rank above the mean
+    assert torch.all(balanced <= plan_quotas(counts, 0.6))
 
+
+@pytest.mark.parametrize("seed", range(5))
+def test_rank_shares_add_up(seed):
+    g = torch.Generator().manual_seed(seed)
+    all_counts = torch.randint(0, 20, (3, 7), generator=g)
+    all_counts[:, 0] = 0                              # an expert with no pair at all
+    quotas = plan_quotas(all_counts.sum(0), 0.4)
+    shares = rank_shares(quotas, all_counts)
+    assert torch.equal(shares.sum(0), quotas) and torch.all(shares <= all_counts) and torch.all(shares >= 0)
+    assert torch.all((shares - quotas * all_counts / all_counts.sum(0).clamp_min(1)).abs() < 1)  # proportional
+
+
+# ---- selection ----------------------------------------------------------------------------------
 
 def test_priority_sampling_keeps_quota_and_is_deterministic():
-    g = torch.Generator().manual_seed(0)
-    dy, x = torch.randn(12, 3, generator=g), torch.randn(12, 5, generator=g)
-    sizes = torch.tensor([5, 0, 7])
-    kept, scale, kept_sizes = select_retained(dy, x, sizes, _spec([2, 3, 7]))
+    metric = torch.rand(12, generator=torch.Generator().manual_seed(0))
+    sizes, quotas = torch.tensor([5, 0, 7]), torch.tensor([2, 3, 7])
+    kept, scale, kept_sizes = select_retained(metric, sizes, quotas)
     assert kept_sizes.tolist() == [2, 0, 7] and kept.numel() == 9
     assert torch.all(scale[:2] >= 1) and torch.all(scale[2:] == 1)  # a fully kept group is exact
-    again = select_retained(dy, x, sizes, _spec([2, 3, 7]))
+    again = select_retained(metric, sizes, quotas)
     assert torch.equal(kept, again[0]) and torch.equal(scale, again[1])
-    other = select_retained(dy, x, sizes, _spec([2, 3, 7], seed=1))
+    other = select_retained(metric, sizes, quotas, seed=1)
     assert not torch.equal(kept, other[0]) or not torch.equal(scale, other[1])
 
 
 def test_priority_sampling_is_unbiased():
     # E[sum_kept scale_p * v_p] = sum_p v_p for each group, whatever the metric
     g = torch.Generator().manual_seed(1)
-    dy, x = torch.randn(30, 3, generator=g, dtype=torch.float64), torch.randn(30, 4, generator=g, dtype=torch.float64)
+    metric = torch.rand(30, generator=g, dtype=torch.float64)
     sizes, v = torch.tensor([20, 10]), torch.randn(30, generator=g, dtype=torch.float64)
     exact = torch.stack([v[:20].sum(), v[20:].sum()])
     samples = []
     for seed in range(1000):
-        kept, scale, ks = select_retained(dy, x, sizes, _spec([5, 3], seed=seed))
+        kept, scale, ks = select_retained(metric, sizes, torch.tensor([5, 3]), seed=seed)
         contrib = v[kept] * scale.double()
         samples.append(torch.stack([contrib[:int(ks[0])].sum(), contrib[int(ks[0]):].sum()]))
     samples = torch.stack(samples)
@@ -54,35 +80,134 @@ def test_priority_sampling_is_unbiased():
 
 
 def test_topk_ablation_keeps_largest_metric_unweighted():
-    dy = torch.tensor([[1.0], [3.0], [2.0], [5.0]])
-    x = torch.ones(4, 2)
-    kept, scale, _ = select_retained(dy, x, torch.tensor([4]), _spec([2], selection="topk"))
+    kept, scale, _ = select_retained(torch.tensor([1.0, 3.0, 2.0, 5.0]), torch.tensor([4]), torch.tensor([2]),
+                                     selection="topk")
     assert kept.tolist() == [1, 3] and torch.all(scale == 1)
 
 
-def _layer_grads(layer, x, seed_step=None):
+# ---- the layer ----------------------------------------------------------------------------------
+
+def make_layer(seed=0, **kw):
+    torch.manual_seed(seed)
+    layer = lrmoe_ds.LRMoE(H, num_experts=E, k=K, ffn_hidden_size=F, **kw).double()
+    x = torch.randn(T, H, dtype=torch.float64)
+    return layer, x
+
+
+def layer_grads(layer, x, step=0):
     layer.zero_grad()
-    if seed_step is not None:
-        layer.retention_step.fill_(seed_step)
+    layer.retention_step.fill_(step)
+    layer._retention_step_host = None
     xi = x.clone().requires_grad_(True)
     out, _, _ = layer(xi)
     (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
     return xi.grad, [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in layer.parameters()]
 
 
-def test_layer_ratio_one_is_exact_and_ratio_half_is_unbiased():
-    torch.manual_seed(0)
-    layer = lrmoe_ds.LRMoE(H, num_experts=E, k=2, ffn_hidden_size=F).double()
-    x = torch.randn(T, H, dtype=torch.float64)
-    dx_exact, grads_exact = _layer_grads(layer, x)
-    layer.configure(lrmoe_ds.LRMoEConfig(enabled=True, retention_ratio=1.0))
-    dx_one, grads_one = _layer_grads(layer, x)
+def configure(layer, **kw):
+    layer.configure(lrmoe_ds.LRMoEConfig(enabled=True, **kw))
+
+
+@pytest.mark.parametrize("policy", ["stash", "recompute"])
+def test_ratio_one_is_bit_exact(policy):
+    layer, x = make_layer()
+    dx_exact, grads_exact = layer_grads(layer, x)
+    configure(layer, retention_ratio=1.0, policy=policy)
+    dx_one, grads_one = layer_grads(layer, x)
     assert torch.equal(dx_one, dx_exact) and all(torch.equal(a, b) for a, b in zip(grads_one, grads_exact))
 
-    layer.configure(lrmoe_ds.LRMoEConfig(enabled=True, retention_ratio=0.5))
+
+def test_full_quota_selection_is_bit_exact(monkeypatch):
+    # the whole selection path with every quota >= count keeps all pairs with weight 1
+    layer, x = make_layer()
+    dx_exact, grads_exact = layer_grads(layer, x)
+    configure(layer, retention_ratio=1.0)
+    real = layer._backward_spec
+
+    def forced(plan, dtype):
+        spec = real(plan, dtype)
+        spec.shares = plan.all_counts.clone()
+        return spec
+    monkeypatch.setattr(layer, "_backward_spec", forced)
+    dx_one, grads_one = layer_grads(layer, x)
+    assert torch.equal(dx_one, dx_exact) and all(torch.equal(a, b) for a, b in zip(grads_one, grads_exact))
+
+
+def reference_retained_grads(layer, x, proj, pairs, scale, router_grad="exact"):
+    """fp64 loop over pairs: expert weights and dx's expert path from the selected pairs alone, each
+    weighted by its scale; the router's gradient from every pair ("exact") or the selected ones."""
+    xr = x.clone().requires_grad_(True)
+    wg = layer.deepspeed_moe.gate.wg.weight.detach().clone().requires_grad_(True)
+    experts = layer.deepspeed_moe.experts.deepspeed_experts
+    w1s = [e.projections()[0].detach().clone().requires_grad_(True) for e in experts]
+    w2s = [e.projections()[1].detach().clone().requires_grad_(True) for e in experts]
+    probs = (xr @ wg.t()).softmax(-1)
+    idx = probs.detach().topk(K, -1).indices
+    gates = probs.gather(1, idx)
+    gates = gates / gates.sum(-1, keepdim=True)
+    weight = dict(zip(pairs.tolist(), scale.double().tolist()))
+    loss = 0
+    for t in range(T):
+        for j in range(K):
+            e, p = int(idx[t, j]), t * K + j
+            y = expert_forward("swiglu", w1s[e], w2s[e], xr[t])
+            if p in weight:   # the expert's own gradient: retained pairs only, weighted
+                loss = loss + weight[p] * gates[t, j].detach() * (y * proj[t]).sum()
+            if router_grad == "exact" or p in weight:
+                w = 1.0 if router_grad == "exact" else weight[p]
+                loss = loss + w * gates[t, j] * (y.detach() * proj[t]).sum()
+    loss.backward()
+    per_expert = [w for pair in zip(w1s, w2s) for w in pair]   # layer.parameters() order
+    return xr.grad, [wg.grad] + [w.grad if w.grad is not None else torch.zeros_like(w) for w in per_expert]
+
+
+@pytest.mark.parametrize("policy,router_grad,selection",
+                         [("stash", "exact", "priority_sampling"), ("recompute", "exact", "priority_sampling"),
+                          ("stash", "retained", "priority_sampling"), ("recompute", "retained", "topk")])
+def test_gradients_are_those_of_the_selected_pairs(policy, router_grad, selection):
+    layer, x = make_layer(1)
+    x[:, 0] = 3.0                      # a hot expert, so that its quota binds
+    layer.keep_last_selection = True
+    configure(layer, retention_ratio=0.5, policy=policy, router_grad=router_grad, selection=selection)
+    dx, grads = layer_grads(layer, x, step=3)
+    sel = layer.last_selection
+    pairs, scale = sel["pairs"], sel["scale"]
+    stats = layer.last_stats
+    assert pairs.numel() == int(stats.quotas.sum()) < T * K
+    proj = torch.linspace(-1, 1, T * H, dtype=torch.float64).view(T, H)
+    ref_dx, ref_grads = reference_retained_grads(layer, x, proj, pairs, scale, router_grad)
+    for name, a, b in [("dx", dx, ref_dx)] + [(f"param {i}", a, b) for i, (a, b) in enumerate(zip(grads, ref_grads))]:
+        assert torch.allclose(a, b, rtol=1e-9, atol=1e-12), name
+    # the selected pairs are, per expert, the quota's largest keys: recompute them from the metric
+    idx = layer.deepspeed_moe.gate(x).topk_index.reshape(-1)
+    kept_per_expert = torch.bincount(idx[pairs], minlength=E)
+    assert torch.equal(kept_per_expert, stats.quotas)
+    if selection == "topk":
+        assert torch.all(scale == 1)
+
+
+def test_topk_selection_keeps_the_largest_metric():
+    layer, x = make_layer(2)
+    layer.keep_last_selection = True
+    configure(layer, retention_ratio=0.5, selection="topk", metric="gate")
+    layer_grads(layer, x)
+    routing = layer.deepspeed_moe.gate(x)
+    gate, idx = routing.topk_weight.detach().reshape(-1), routing.topk_index.reshape(-1)
+    kept = set(layer.last_selection["pairs"].tolist())
+    for e in range(E):
+        mine = (idx == e).nonzero().squeeze(1)
+        q = int(layer.last_stats.quotas[e])
+        top = mine[torch.sort(-gate[mine], stable=True).indices[:q]]
+        assert set(top.tolist()) == kept & set(mine.tolist()), e
+
+
+def test_ratio_half_is_unbiased_and_router_stays_exact():
+    layer, x = make_layer()
+    dx_exact, grads_exact = layer_grads(layer, x)
+    configure(layer, retention_ratio=0.5)
     n, mean, errs = 100, [torch.zeros_like(g) for g in grads_exact], []
     for step in range(n):
-        _, grads = _layer_grads(layer, x, seed_step=step)
+        _, grads = layer_grads(layer, x, step)
         mean = [m + g / n for m, g in zip(mean, grads)]
         if step == 0:
             router_grad = grads[0]
@@ -91,3 +216,40 @@ def test_layer_ratio_one_is_exact_and_ratio_half_is_unbiased():
     assert max(errs) > 0.05  # one sample really drops pairs...
     for m, e in zip(mean[1:], grads_exact[1:]):
         assert float((m - e).norm() / e.norm()) < 0.25 * max(errs)  # ...and the average converges
+
+
+def saved_bytes(layer, x):
+    """Bytes packed by saved-tensor hooks over one forward + backward (the backward's recompute saves too)."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer_grads(layer, x)
+    return total
+
+
+def test_recompute_saves_less_and_falls_with_retention():
+    layer, x = make_layer(3)
+    configure(layer, retention_ratio=1.0, policy="stash", router_grad="retained")
+    stash = saved_bytes(layer, x)
+    by_ratio = {}
+    for ratio in (1.0, 0.5, 0.25):
+        configure(layer, retention_ratio=ratio, policy="recompute", router_grad="retained")
+        by_ratio[ratio] = saved_bytes(layer, x)
+    assert by_ratio[1.0] < stash
+    assert by_ratio[0.25] < by_ratio[0.5] < by_ratio[1.0], by_ratio
+
+
+def test_eval_and_disabled_run_exact():
+    layer, x = make_layer()
+    configure(layer, retention_ratio=0.25)
+    layer.eval()
+    assert layer._backward_spec(layer.deepspeed_moe.dispatcher.plan(*_routing(layer, x)), x.dtype) == BackwardSpec()
+
+
+def _routing(layer, x):
+    r = layer.deepspeed_moe.gate(x)
+    return r.topk_index, r.counts

@@ -1,0 +1,108 @@
+"""The grouped experts' path through the layer as one autograd function, so that its backward can
+keep only the retained pairs from the first step on.
+
+forward:  permute pairs by expert -> all-to-all -> grouped MLP -> all-to-all back -> weighted combine.
+backward, at each token's own rank: the metric of its pairs, the quota-aware selection (this rank's
+share of each expert's quota, known from the forward's counts); then only the retained rows travel
+(dy, plus x under "recompute", or their stash positions under "stash"); the experts run the grouped
+backward over the compacted groups; dx comes back for the retained rows and is summed per token.
+Dropped pairs give no expert weight gradient and no expert-path term in dx; the router's gradient is
+exact (from the saved expert outputs) or from the retained pairs alone.
+"""
+import torch
+
+from lrmoe_ds import ops
+from lrmoe_ds.dispatcher import AllToAllDispatcher, DispatchPlan
+from lrmoe_ds.experts import mlp_backward, mlp_forward
+from lrmoe_ds.retention import BackwardSpec, pair_metric, select_retained
+
+
+def _rank(dispatcher: AllToAllDispatcher) -> int:
+    return 0 if dispatcher.ep_size == 1 else torch.distributed.get_rank(dispatcher.ep_group)
+
+
+def _row_norms(t: torch.Tensor) -> torch.Tensor:
+    """||t_i|| accumulated in fp32 or wider, without a widened copy of t."""
+    return t.norm(dim=1, dtype=torch.promote_types(t.dtype, torch.float32))
+
+
+class RoutedMLP(torch.autograd.Function):
+    """out [T, H] = sum_k topk_weight[t, k] * MLP_{e(t,k)}(x_t), over an expert-parallel group."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weight, plan: DispatchPlan, dispatcher: AllToAllDispatcher, act, spec: BackwardSpec,
+                n_w1: int, *weights):
+        w1, w2 = weights[:n_w1], weights[n_w1:]
+        K = plan.row_of_pair.shape[1]
+        rows = dispatcher.to_experts(ops.permute(x, plan.order // K), plan)
+        h, y = mlp_forward(rows, w1, w2, act, plan.group_sizes)
+        y_src = dispatcher.from_experts(y, plan)
+        out = ops.unpermute(y_src, plan.row_of_pair, topk_weight)
+        stash = spec.policy == "stash"
+        x_norm = _row_norms(x) if spec.shares is not None and spec.metric == "grad_norm" else None
+        ctx.save_for_backward(None if stash else x, rows if stash else None, h if stash else None,
+                              y_src if spec.router_grad == "exact" else None, topk_weight, x_norm, *weights)
+        ctx.plan, ctx.dispatcher, ctx.act, ctx.spec, ctx.n_w1 = plan, dispatcher, act, spec, n_w1
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, rows, h, y_src, topk_weight, x_norm, *weights = ctx.saved_tensors
+        plan, disp, spec = ctx.plan, ctx.dispatcher, ctx.spec
+        w1, w2 = weights[:ctx.n_w1], weights[ctx.n_w1:]
+        T, K = plan.row_of_pair.shape
+        dout = dout.contiguous()
+        src = plan.order // K                                           # send row -> token
+        weight_of_row = topk_weight.reshape(-1).index_select(0, plan.order)
+        want_router = ctx.needs_input_grad[1]
+        d_weight = None
+        if want_router and spec.router_grad == "exact":
+            acc = torch.promote_types(y_src.dtype, topk_weight.dtype)
+            pair_rows = ops.permute(y_src, plan.row_of_pair.reshape(-1)).view(T, K, y_src.shape[1]).to(acc)
+            d_weight = torch.einsum("tkh,th->tk", pair_rows, dout.to(acc)).to(topk_weight.dtype)
+
+        kept, splits, row_weight = None, plan, weight_of_row
+        if spec.shares is not None:
+            rank = _rank(disp)
+            dout_norm = _row_norms(dout) if spec.metric == "grad_norm" else None
+            metric = pair_metric(spec.metric, weight_of_row,
+                                 None if dout_norm is None else dout_norm.index_select(0, src),
+                                 None if x_norm is None else x_norm.index_select(0, src))
+            sizes = plan.all_counts[rank].to(dout.device)
+            kept, scale, _ = select_retained(metric, sizes, spec.shares[rank].to(dout.device), spec.selection,
+                                             spec.seed)
+            row_weight = weight_of_row.index_select(0, kept)
+            if spec.rescale:
+                row_weight = row_weight * scale
+            src = src.index_select(0, kept)
+            splits = disp.compact(spec.shares, dout.device)
+            if spec.record is not None:
+                spec.record.update(kept=kept, scale=scale, pairs=plan.order.index_select(0, kept))
+
+        dy = disp.to_experts(ops.permute(dout, src) * row_weight.to(dout.dtype).unsqueeze(1), splits)
+        if spec.policy == "stash":
+            if kept is not None:
+                at_experts = disp.positions_at_experts(kept, plan, splits)
+                rows, h = ops.permute(rows, at_experts), ops.permute(h, at_experts)
+        else:
+            rows = disp.to_experts(ops.permute(x, src), splits)
+        want_y = want_router and spec.router_grad == "retained"
+        dx_rows, dw1, dw2, y = mlp_backward(dy, rows, h, w1, w2, ctx.act, splits.group_sizes, want_y)
+
+        if want_y:
+            # <y_p, dy_p> = g_p w_p <y_p, dout_t>: divided by g_p, the retained pair's weighted gate gradient
+            # (g_p = 0 only where the gate underflowed, and then the router's own derivative vanishes too)
+            acc = torch.promote_types(y.dtype, torch.float32)
+            dot = disp.from_experts((y.to(acc) * dy.to(acc)).sum(1, keepdim=True), splits).squeeze(1)
+            gate = weight_of_row if kept is None else weight_of_row.index_select(0, kept)
+            pairs = plan.order if kept is None else plan.order.index_select(0, kept)
+            tiny = torch.finfo(gate.dtype).tiny
+            d_flat = torch.zeros(T * K, dtype=topk_weight.dtype, device=dout.device)
+            d_weight = d_flat.index_copy_(0, pairs, (dot / gate.clamp_min(tiny)).to(d_flat.dtype)).view(T, K)
+
+        dx_src = disp.from_experts(dx_rows, splits)
+        if kept is not None:
+            dx_src = dx_src.new_zeros(T * K, dx_src.shape[1]).index_copy_(0, kept, dx_src)
+        ones = torch.ones((T, K), dtype=dout.dtype, device=dout.device)
+        dx = ops.unpermute(dx_src, plan.row_of_pair, ones)
+        return (dx, d_weight, None, None, None, None, None, *dw1, *dw2)
