@@ -55,7 +55,6 @@ def plan_quotas(counts: torch.Tensor, retention_ratio: float = 1.0, ep_size: int
         raise ValueError(f"{n.numel()} experts cannot be split over ep_size {ep_size}")
     q = _level(n, int(retention_ratio * int(n.sum())))
     per_rank = q.view(ep_size, -1)
-    n_rank = n.view(ep_size, -1)
     caps = [float("inf")] * ep_size
     if max_rows_per_rank is not None:
         caps = [max_rows_per_rank] * ep_size
