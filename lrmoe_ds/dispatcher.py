@@ -22,6 +22,13 @@ COLLECTIVE_CALLS: Counter = Counter()
 COLLECTIVE_BYTES: Counter = Counter()
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor to ``device``; to a GPU through pinned memory, so the copy does not wait for the stream."""
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
 
@@ -169,7 +176,7 @@ class AllToAllDispatcher:
     def _regroup_for(self, counts: torch.Tensor, device):
         """counts [R, E_l] host (rows from each rank to each local expert) -> received order -> grouped."""
         El, R = self.num_local_experts, self.ep_size
-        group_of_row = torch.repeat_interleave(torch.arange(El).repeat(R), counts.reshape(-1)).to(device)
+        group_of_row = to_device(torch.repeat_interleave(torch.arange(El).repeat(R), counts.reshape(-1)), device)
         _, regroup, _ = ops.routing_plan(group_of_row, El)
         return regroup, _inverse_permutation(regroup)
 
@@ -178,12 +185,12 @@ class AllToAllDispatcher:
         El, R = self.num_local_experts, self.ep_size
         if R == 1:
             sizes = shares[0].tolist()
-            return CompactPlan([sum(sizes)], [sum(sizes)], None, None, shares[0].to(device), sizes)
+            return CompactPlan([sum(sizes)], [sum(sizes)], None, None, to_device(shares[0], device), sizes)
         rank = dist.get_rank(self.ep_group)
         mine = shares[:, rank * El:(rank + 1) * El]
         regroup, regroup_inverse = self._regroup_for(mine, device)
         return CompactPlan(shares[rank].view(R, El).sum(1).tolist(), mine.sum(1).tolist(), regroup, regroup_inverse,
-                           mine.sum(0).to(device), mine.sum(0).tolist())
+                           to_device(mine.sum(0), device), mine.sum(0).tolist())
 
     # Plain (not autograd) exchanges, for callers that write their own backward. `splits` is the
     # DispatchPlan of the forward or the CompactPlan of the backward's retained rows.
@@ -206,15 +213,13 @@ class AllToAllDispatcher:
         rows at the experts [M'] (in the compacted grouped order): where their stash is."""
         if self.ep_size == 1:
             return kept
-        R = self.ep_size
-        send_start = torch.tensor([0] + plan.send_splits[:-1], device=kept.device).cumsum(0)
-        dest = torch.repeat_interleave(torch.arange(R, device=kept.device),
-                                       torch.tensor(compact.send_splits, device=kept.device), output_size=kept.numel())
+        R, dev = self.ep_size, kept.device
+        send_start = to_device(torch.tensor([0] + plan.send_splits[:-1]).cumsum(0), dev)
+        dest = to_device(torch.repeat_interleave(torch.arange(R), torch.tensor(compact.send_splits)), dev)
         offset = (kept - send_start[dest]).unsqueeze(1)
         offset = _all_to_all(offset, compact.recv_splits, compact.send_splits, self.ep_group).squeeze(1)
-        recv_start = torch.tensor([0] + plan.recv_splits[:-1], device=kept.device).cumsum(0)
-        src = torch.repeat_interleave(torch.arange(R, device=kept.device),
-                                      torch.tensor(compact.recv_splits, device=kept.device), output_size=offset.numel())
+        recv_start = to_device(torch.tensor([0] + plan.recv_splits[:-1]).cumsum(0), dev)
+        src = to_device(torch.repeat_interleave(torch.arange(R), torch.tensor(compact.recv_splits)), dev)
         grouped = plan.regroup_inverse.index_select(0, recv_start[src] + offset)
         return grouped.index_select(0, compact.regroup)
 

@@ -12,7 +12,7 @@ exact (from the saved expert outputs) or from the retained pairs alone.
 import torch
 
 from lrmoe_ds import ops
-from lrmoe_ds.dispatcher import AllToAllDispatcher, DispatchPlan
+from lrmoe_ds.dispatcher import AllToAllDispatcher, DispatchPlan, to_device
 from lrmoe_ds.experts import mlp_backward, mlp_forward
 from lrmoe_ds.retention import BackwardSpec, pair_metric, select_retained
 
@@ -68,9 +68,9 @@ class RoutedMLP(torch.autograd.Function):
             metric = pair_metric(spec.metric, weight_of_row,
                                  None if dout_norm is None else dout_norm.index_select(0, src),
                                  None if x_norm is None else x_norm.index_select(0, src))
-            sizes = plan.all_counts[rank].to(dout.device)
-            kept, scale, _ = select_retained(metric, sizes, spec.shares[rank].to(dout.device), spec.selection,
-                                             spec.seed)
+            sizes, quotas = to_device(plan.all_counts[rank], dout.device), to_device(spec.shares[rank], dout.device)
+            kept, scale, _ = select_retained(metric, sizes, quotas, spec.selection, spec.seed,
+                                             num_kept=int(spec.shares[rank].sum()))
             row_weight = weight_of_row.index_select(0, kept)
             if spec.rescale:
                 row_weight = row_weight * scale

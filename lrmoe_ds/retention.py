@@ -51,20 +51,20 @@ def pair_metric(metric: Metric, gate: torch.Tensor, dout_norm: Optional[torch.Te
 
 
 def select_retained(metric: torch.Tensor, group_sizes: torch.Tensor, quotas: torch.Tensor,
-                    selection: Selection = "priority_sampling", seed: int = 0):
+                    selection: Selection = "priority_sampling", seed: int = 0, num_kept: Optional[int] = None):
     """Choose the retained pairs of each group.
 
     metric [P] (pairs in grouped order), group_sizes [G], quotas [G].
     Returns kept [P'] (grouped positions, grouped order), scale [P'] fp32 (the unbiased weights;
-    ones for "topk"), kept_sizes [G] = min(quota, size).
+    ones for "topk"), kept_sizes [G] = min(quota, size). num_kept: P' where known (no host read on CUDA).
     """
     if selection == "topk":
-        kept, kept_sizes, _ = ops.topk_retention(metric, group_sizes, quotas)
+        kept, kept_sizes, _ = ops.topk_retention(metric, group_sizes, quotas, num_kept)
         return kept, torch.ones(kept.numel(), device=metric.device), kept_sizes
     gen = torch.Generator(device=metric.device).manual_seed(seed)
     u = 1.0 - torch.rand(metric.shape, generator=gen, device=metric.device)  # (0, 1]
     keys = metric / u
-    kept, kept_sizes, tau = ops.topk_retention(keys, group_sizes, quotas)
+    kept, kept_sizes, tau = ops.topk_retention(keys, group_sizes, quotas, num_kept)
     m = metric.index_select(0, kept)
     tau_row = torch.repeat_interleave(tau, kept_sizes, output_size=kept.numel())
     # tau = 0 means the whole group is kept: weight 1. Where tau > 0 a kept key is >= tau > 0, so m > 0.

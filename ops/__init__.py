@@ -114,9 +114,12 @@ def grouped_linear_wgrad(dy: torch.Tensor, x: torch.Tensor, group_sizes: torch.T
 
 
 def topk_retention(scores: torch.Tensor, group_sizes: torch.Tensor, quotas: torch.Tensor,
-                   backend: Optional[str] = None):
-    """Per group keep the q_g highest scores: ``(kept [P'], kept_sizes [G], threshold [G])``."""
-    return _select("topk_retention", backend, scores)(scores, group_sizes, quotas)
+                   num_kept: Optional[int] = None, backend: Optional[str] = None):
+    """Per group keep the q_g highest scores: ``(kept [P'], kept_sizes [G], threshold [G])``.
+
+    ``num_kept``: P' = sum_g min(q_g, n_g) where the caller knows it; the CUDA op then reads nothing
+    back to the host (and skips its input checks)."""
+    return _select("topk_retention", backend, scores)(scores, group_sizes, quotas, num_kept)
 
 
 def capacity_route(pair_group, pair_rank, instance_group, instance_rank, instance_capacity,

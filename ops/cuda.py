@@ -74,7 +74,7 @@ def unpermute(rows: torch.Tensor, row_of_pair: torch.Tensor, weight: torch.Tenso
     return out
 
 
-def topk_retention(scores: torch.Tensor, group_sizes: torch.Tensor, quotas: torch.Tensor):
+def topk_retention(scores: torch.Tensor, group_sizes: torch.Tensor, quotas: torch.Tensor, num_kept=None):
     if scores.dim() != 1:
         raise ValueError(f"topk_retention: scores must be [P], got shape {tuple(scores.shape)}")
     scores = scores.contiguous()
@@ -88,6 +88,8 @@ def topk_retention(scores: torch.Tensor, group_sizes: torch.Tensor, quotas: torc
     threshold = torch.empty(G, dtype=scores.dtype, device=dev)
     summary = torch.empty(3, dtype=torch.long, device=dev)
     load().topk_retention(scores, sizes, quotas, kept, kept_sizes, threshold, summary)
+    if num_kept is not None:  # the caller knows the size: no host read
+        return kept[:num_kept], kept_sizes, threshold
     # Host synchronisation (the only one in these ops): the kept count sizes the output.
     n_kept, total, negative = summary.tolist()
     if total != P:

@@ -108,8 +108,8 @@ def _check_groups(x, weights, group_sizes, dim):
                          f"{tuple(weights[0].shape) if len(weights) else ()}")
 
 
-def topk_retention(scores: torch.Tensor, group_sizes: torch.Tensor,
-                   quotas: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def topk_retention(scores: torch.Tensor, group_sizes: torch.Tensor, quotas: torch.Tensor,
+                   num_kept: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quota-aware top-k: in each group keep the q_g pairs of highest score, ties by position.
 
     Args:
@@ -137,6 +137,8 @@ def topk_retention(scores: torch.Tensor, group_sizes: torch.Tensor,
     device = scores.device
     kept = torch.cat(kept) if kept else torch.zeros(0, dtype=torch.long, device=device)
     threshold = torch.stack(thresholds) if thresholds else scores.new_zeros(0)
+    if num_kept is not None and num_kept != kept.numel():
+        raise ValueError(f"topk_retention: num_kept {num_kept} but the quotas keep {kept.numel()}")
     return kept.long(), torch.minimum(quotas.long(), group_sizes.long()), threshold
 
 

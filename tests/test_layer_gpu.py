@@ -41,3 +41,30 @@ def test_bf16_layer_matches_fp64_reference(backend, activation):
     for n, p in layer.named_parameters():
         assert rel(p.grad.cpu(), ref_w[n].grad) < 2e-2, n
     ops.set_default_backend("auto")
+
+
+@pytest.mark.parametrize("policy,router_grad", [("stash", "exact"), ("recompute", "retained")])
+def test_bf16_retention_matches_reference_over_selected_pairs(policy, router_grad):
+    """Retention 0.5 on CUDA (CUDA ops where they build): the gradients are those of exactly the
+    selected pairs (the fp64 reference of test_retention, fed with the CUDA run's selection)."""
+    import copy
+
+    import test_retention as tr
+    layer, x = tr.make_layer(1)
+    x[:, 0] = 3.0
+    ref_layer = copy.deepcopy(layer)
+    layer = layer.cuda().bfloat16()
+    ref_layer.load_state_dict({k: v.double().cpu() for k, v in layer.state_dict().items()})
+    layer.keep_last_selection = True
+    tr.configure(layer, retention_ratio=0.5, policy=policy, router_grad=router_grad)
+    xb = x.cuda().bfloat16().requires_grad_(True)
+    out, _, _ = layer(xb)
+    proj = torch.linspace(-1, 1, tr.T * tr.H, dtype=torch.float64).view(tr.T, tr.H)
+    (out.double() * proj.cuda()).sum().backward()
+    sel = layer.last_selection
+    assert 0 < sel["pairs"].numel() < tr.T * tr.K
+    ref_dx, ref_grads = tr.reference_retained_grads(ref_layer, xb.detach().double().cpu(), proj,
+                                                    sel["pairs"].cpu(), sel["scale"].cpu(), router_grad)
+    assert rel(xb.grad.cpu(), ref_dx) < 3e-2
+    for (n, p), g in zip(layer.named_parameters(), ref_grads):
+        assert rel(p.grad.cpu(), g) < 3e-2, n
