@@ -56,10 +56,12 @@ class RoutedMLP(torch.autograd.Function):
         weight_of_row = topk_weight.reshape(-1).index_select(0, plan.order)
         want_router = ctx.needs_input_grad[1]
         d_weight = None
+        dout_rows = ops.permute(dout, src)                              # [P, H] send order
         if want_router and spec.router_grad == "exact":
-            acc = torch.promote_types(y_src.dtype, topk_weight.dtype)
-            pair_rows = ops.permute(y_src, plan.row_of_pair.reshape(-1)).view(T, K, y_src.shape[1]).to(acc)
-            d_weight = torch.einsum("tkh,th->tk", pair_rows, dout.to(acc)).to(topk_weight.dtype)
+            # d g_p = <y_p, dout_t>: a batched row dot (accumulated in fp32 by the GEMM), no widened copy
+            dot = torch.bmm(y_src.unsqueeze(1), dout_rows.unsqueeze(2)).view(-1).to(topk_weight.dtype)
+            d_weight = torch.empty_like(dot).index_copy_(0, plan.order, dot).view(T, K)
+            del y_src
 
         kept, splits, row_weight = None, plan, weight_of_row
         if spec.shares is not None:
@@ -75,11 +77,13 @@ class RoutedMLP(torch.autograd.Function):
             if spec.rescale:
                 row_weight = row_weight * scale
             src = src.index_select(0, kept)
+            dout_rows = dout_rows.index_select(0, kept)
             splits = disp.compact(spec.shares, dout.device)
             if spec.record is not None:
                 spec.record.update(kept=kept, scale=scale, pairs=plan.order.index_select(0, kept))
 
-        dy = disp.to_experts(ops.permute(dout, src) * row_weight.to(dout.dtype).unsqueeze(1), splits)
+        dy = disp.to_experts(dout_rows * row_weight.to(dout.dtype).unsqueeze(1), splits)
+        del dout_rows
         if spec.policy == "stash":
             if kept is not None:
                 at_experts = disp.positions_at_experts(kept, plan, splits)
