@@ -38,7 +38,6 @@ def test_multi_rank_matches_single_process(tmp_path):
     assert result["retention"]["repeat_equal"], result["retention"]
     assert all(l == l for l in result["retention"]["losses"])  # finite, not NaN
     ep2 = result["retention_ep2"]
-    print("retention_ep2", ep2)
     assert ep2["ratio1_stash_bit_exact"] and ep2["ratio1_recompute_bit_exact"], ep2
     assert ep2["kept_equals_quotas"], ep2                    # each rank kept its share; shares add up
     assert ep2["grads_stash_vs_recompute"] < 1e-6, ep2
