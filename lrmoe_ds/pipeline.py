@@ -61,7 +61,6 @@ class RoutedMLP(torch.autograd.Function):
             # d g_p = <y_p, dout_t>: a batched row dot (accumulated in fp32 by the GEMM), no widened copy
             dot = torch.bmm(y_src.unsqueeze(1), dout_rows.unsqueeze(2)).view(-1).to(topk_weight.dtype)
             d_weight = torch.empty_like(dot).index_copy_(0, plan.order, dot).view(T, K)
-            del y_src
 
         kept, splits, row_weight = None, plan, weight_of_row
         if spec.shares is not None:
