@@ -5,8 +5,9 @@ dropless layer on torch._grouped_mm (the anchor), LRMoE exact and LRMoE with ret
     python3 benchmarks/bench_layer.py --out benchmarks/results/layer_retention_h200.md
 
 Per row: median of CUDA-event timings of a full forward + backward (timing.median_ms); speed ratios
-(the anchor's, DeepSpeed's time / this time); the peak memory of one forward + backward above what
-was allocated before it (layer, inputs and the weight gradients of a warm-up step), in GiB.
+(the anchor's, DeepSpeed's time / this time); the activation memory held after the forward and the
+peak memory of one forward + backward, both above what was allocated before the forward (layer and
+inputs; .grad is set to None before every step, as DeepSpeed's optimizers leave it), in GiB.
 TFLOP/s counts the exact layer's useful expert FLOPs (3 passes x 2 x pairs x 3 H F), also for
 retention, which does less work. The layers wait on the CPU in bf16; one at a time is on the GPU.
 """
@@ -95,19 +96,28 @@ def build(kind, H, Fh, E, k):
 
 
 def measure(layer, x, grad, reps):
-    """(median ms, GiB allocated at the peak of one forward + backward above what was allocated before it)."""
+    """(median ms, (GiB held for the backward after the forward, GiB at the peak of one forward +
+    backward)), both above what was allocated before the forward."""
     def step():
+        # .grad set to None first, as DeepSpeed's optimizers leave it after every backward (they take the
+        # gradients into their own buffers): autograd then keeps the new gradients instead of adding them
+        layer.zero_grad(set_to_none=True)
         xi = x.detach().requires_grad_(True)
         layer(xi)[0].backward(grad)
 
-    step()  # warm-up; allocates the weight gradients
+    step()  # warm-up
+    layer.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    step()
+    out = layer(x.detach().requires_grad_(True))[0]
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - base
+    out.backward(grad)
+    del out
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    return median_ms(step, reps=reps, warmup=2, inner=1), peak / GIB
+    return median_ms(step, reps=reps, warmup=2, inner=1), (held / GIB, peak / GIB)
 
 
 def ratio(a, b, fmt="{:.2f}"):
@@ -115,12 +125,14 @@ def ratio(a, b, fmt="{:.2f}"):
 
 
 def render(name, ms, mem, failed, flops):
-    """One table row, from the times (ms), memories (GiB) and failures measured so far."""
+    """One table row, from the times (ms), memories (GiB held, GiB peak) and failures measured so far."""
     if name in failed:
-        return f"| {name} | failed: {failed[name]} | | | | | |"
-    ref = mem.get(f"LRMoE retention {1.0:g}, stash")
+        return f"| {name} | failed: {failed[name]} | | | | | | | |"
+    ref = mem.get(f"LRMoE retention {1.0:g}, stash", (None, None))
+    held, peak = mem[name]
     return (f"| {name} | {ms[name]:.2f} | {flops / ms[name] / 1e9:.0f} | {ratio(ms.get(ANCHOR), ms[name])} | "
-            f"{ratio(ms.get(DEEPSPEED), ms[name])} | {mem[name]:.2f} | {ratio(mem[name], ref)} |")
+            f"{ratio(ms.get(DEEPSPEED), ms[name])} | {held:.2f} | {ratio(held, ref[0])} | {peak:.2f} | "
+            f"{ratio(peak, ref[1])} |")
 
 
 def main():
@@ -140,9 +152,13 @@ def main():
              f"{'built' if cuda_ok else why}. Median of {args.reps} CUDA-event timings of forward + backward; "
              f"retention rows: metric {args.metric}, router_grad {args.router_grad}, selection and the rest "
              "at their defaults."),
-             ("speed vs X = X's time / this time (> 1: faster). memory = peak allocated during one forward + "
-             "backward minus what was allocated before it (layer, inputs, weight gradients already there); "
-             "TFLOP/s counts the exact layer's useful expert FLOPs (also for retention, which does less work)."),
+             ("speed vs X = X's time / this time (> 1: faster). held = activation memory: allocated after the "
+             "forward minus before it (what the layer keeps for its backward, plus its [T, H] output); peak = "
+             "peak allocated during one forward + backward minus before it (the layer and inputs are there, the "
+             "weight gradients set to None before every step as DeepSpeed's optimizers leave them, so the peak "
+             "includes the new weight gradients, the same bytes for every row); vs 1.0 stash "
+             "= this / LRMoE retention 1, stash. TFLOP/s counts the exact layer's useful expert FLOPs (also for "
+             "retention, which does less work)."),
              "One LRMoE layer serves every LRMoE row of a table, reconfigured with `layer.configure` per row."]
 
     def write(table=()):
@@ -164,8 +180,9 @@ def main():
             layers[kind] = build(kind, H, Fh, E, k).to(dt)
         for T in args.tokens:
             emit(f"## {title} (H {H}, F {Fh} SwiGLU, {E} experts, top-{k}), {T} tokens", "",
-                 "| layer | ms | TFLOP/s | speed vs anchor | speed vs DeepSpeed | memory GiB | memory vs 1.0 stash |",
-                 "| --- | --- | --- | --- | --- | --- | --- |")
+                 "| layer | ms | TFLOP/s | speed vs anchor | speed vs DeepSpeed | held GiB | held vs 1.0 stash | "
+                 "peak GiB | peak vs 1.0 stash |",
+                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
             torch.manual_seed(T)
             x = torch.randn(T, H, device=dev, dtype=dt)
             grad = torch.randn_like(x)

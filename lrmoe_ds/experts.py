@@ -3,6 +3,7 @@ the grouped MLP's forward and backward over variable-size groups of rows (the ba
 retained rows alone).
 """
 import copy
+from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import torch
@@ -64,26 +65,49 @@ def mlp_forward(x: torch.Tensor, w1: Sequence[torch.Tensor], w2: Sequence[torch.
     return h, ops.grouped_linear(act(h), w2, group_sizes)
 
 
-def mlp_backward(dy: torch.Tensor, x: torch.Tensor, h: Optional[torch.Tensor], w1: Sequence[torch.Tensor],
-                 w2: Sequence[torch.Tensor], act, group_sizes: torch.Tensor, want_output: bool = False):
+@dataclass
+class BackwardRows:
+    """The row buffers one expert backward reads, handed over to :func:`mlp_backward`, which drops
+    each as soon as it has used it (so the caller must keep no reference of its own).
+
+    dy [M, H]: output gradients.  x [M, H]: inputs.  h [M, F1] or None: pre-activations (None: recompute from x).
+    """
+    dy: Optional[torch.Tensor]
+    x: Optional[torch.Tensor]
+    h: Optional[torch.Tensor] = None
+
+
+def mlp_backward(rows: BackwardRows, w1: Sequence[torch.Tensor], w2: Sequence[torch.Tensor], act,
+                 group_sizes: torch.Tensor, want_output_dot: bool = False):
     """The backward of :func:`mlp_forward` over the rows given (the retained ones).
 
-    h None: recomputed from x (the "recompute" policy). Returns (dx, dw1, dw2, y) with y the
-    recomputed outputs if ``want_output`` (the retained-pairs router gradient needs them), else None.
+    Returns (dx, dw1, dw2, y_dot_dy): y_dot_dy [M] = <y_m, dy_m> of the recomputed outputs y if
+    ``want_output_dot`` (the retained-pairs router gradient), else None. The order of the steps and
+    the freeing of ``rows`` keep at most about three [M, *] buffers alive at once.
     """
+    x, h, dy = rows.x, rows.h, rows.dy
+    rows.x = rows.h = rows.dy = None
     if h is None:
         h = ops.grouped_linear(x, w1, group_sizes)
     with torch.enable_grad():
         h_ = h.detach().requires_grad_(True)
         a_ = act(h_)
+    del h  # h_ (and what act's graph saves) keeps only what the activation's backward needs
     a = a_.detach()
     da = ops.grouped_linear_dgrad(dy, w2, group_sizes)
     dw2 = ops.grouped_linear_wgrad(dy, a, group_sizes)
+    y_dot_dy = None
+    if want_output_dot:
+        y = ops.grouped_linear(a, w2, group_sizes)
+        y_dot_dy = torch.bmm(y.unsqueeze(1), dy.unsqueeze(2)).view(-1)  # fp32 accumulation in the GEMM
+        del y
+    del a, dy
     (dh,) = torch.autograd.grad(a_, h_, da)
+    del a_, h_, da
     dw1 = ops.grouped_linear_wgrad(dh, x, group_sizes)
+    del x
     dx = ops.grouped_linear_dgrad(dh, w1, group_sizes)
-    y = ops.grouped_linear(a, w2, group_sizes) if want_output else None
-    return dx, dw1, dw2, y
+    return dx, dw1, dw2, y_dot_dy
 
 
 @torch.no_grad()

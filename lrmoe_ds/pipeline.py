@@ -13,7 +13,7 @@ import torch
 
 from lrmoe_ds import ops
 from lrmoe_ds.dispatcher import AllToAllDispatcher, DispatchPlan, to_device
-from lrmoe_ds.experts import mlp_backward, mlp_forward
+from lrmoe_ds.experts import BackwardRows, mlp_backward, mlp_forward
 from lrmoe_ds.retention import BackwardSpec, pair_metric, select_retained
 
 
@@ -37,6 +37,7 @@ class RoutedMLP(torch.autograd.Function):
         rows = dispatcher.to_experts(ops.permute(x, plan.order // K), plan)
         h, y = mlp_forward(rows, w1, w2, act, plan.group_sizes)
         y_src = dispatcher.from_experts(y, plan)
+        del y
         out = ops.unpermute(y_src, plan.row_of_pair, topk_weight)
         stash = spec.policy == "stash"
         x_norm = _row_norms(x) if spec.shares is not None and spec.metric == "grad_norm" else None
@@ -56,13 +57,12 @@ class RoutedMLP(torch.autograd.Function):
         weight_of_row = topk_weight.reshape(-1).index_select(0, plan.order)
         want_router = ctx.needs_input_grad[1]
         d_weight = None
-        dout_rows = ops.permute(dout, src)                              # [P, H] send order
         if want_router and spec.router_grad == "exact":
-            # d g_p = <y_p, dout_t>: a batched row dot (accumulated in fp32 by the GEMM), no widened copy
-            dot = torch.bmm(y_src.unsqueeze(1), dout_rows.unsqueeze(2)).view(-1).to(topk_weight.dtype)
-            d_weight = torch.empty_like(dot).index_copy_(0, plan.order, dot).view(T, K)
+            d_weight = _exact_gate_grad(y_src, dout, src, plan.order, topk_weight.dtype).view(T, K)
+        del y_src
 
-        kept, splits, row_weight = None, plan, weight_of_row
+        kept = kept_pairs = None
+        splits, row_weight = plan, weight_of_row
         if spec.shares is not None:
             rank = _rank(disp)
             dout_norm = _row_norms(dout) if spec.metric == "grad_norm" else None
@@ -72,17 +72,17 @@ class RoutedMLP(torch.autograd.Function):
             sizes, quotas = to_device(plan.all_counts[rank], dout.device), to_device(spec.shares[rank], dout.device)
             kept, scale, _ = select_retained(metric, sizes, quotas, spec.selection, spec.seed,
                                              num_kept=int(spec.shares[rank].sum()))
+            kept_pairs = plan.order.index_select(0, kept)
             row_weight = weight_of_row.index_select(0, kept)
             if spec.rescale:
                 row_weight = row_weight * scale
             src = src.index_select(0, kept)
-            dout_rows = dout_rows.index_select(0, kept)
             splits = disp.compact(spec.shares, dout.device)
             if spec.record is not None:
-                spec.record.update(kept=kept, scale=scale, pairs=plan.order.index_select(0, kept))
+                spec.record.update(kept=kept, scale=scale, pairs=kept_pairs)
 
-        dy = disp.to_experts(dout_rows * row_weight.to(dout.dtype).unsqueeze(1), splits)
-        del dout_rows
+        # dy_p = w_p dout_t, weighted in place on the fresh gather: one [P', H] buffer
+        dy = ops.permute(dout, src).mul_(row_weight.to(dout.dtype).unsqueeze(1))
         if spec.policy == "stash":
             if kept is not None:
                 at_experts = disp.positions_at_experts(kept, plan, splits)
@@ -90,22 +90,44 @@ class RoutedMLP(torch.autograd.Function):
         else:
             rows = disp.to_experts(ops.permute(x, src), splits)
         want_y = want_router and spec.router_grad == "retained"
-        dx_rows, dw1, dw2, y = mlp_backward(dy, rows, h, w1, w2, ctx.act, splits.group_sizes, want_y)
+        handed = BackwardRows(disp.to_experts(dy, splits), rows, h)
+        del dy, rows, h                                                 # mlp_backward frees them as it goes
+        dx_rows, dw1, dw2, y_dot_dy = mlp_backward(handed, w1, w2, ctx.act, splits.group_sizes, want_y)
 
         if want_y:
             # <y_p, dy_p> = g_p w_p <y_p, dout_t>: divided by g_p, the retained pair's weighted gate gradient
             # (g_p = 0 only where the gate underflowed, and then the router's own derivative vanishes too)
-            acc = torch.promote_types(y.dtype, torch.float32)
-            dot = disp.from_experts((y.to(acc) * dy.to(acc)).sum(1, keepdim=True), splits).squeeze(1)
+            dot = disp.from_experts(y_dot_dy.unsqueeze(1), splits).squeeze(1).to(topk_weight.dtype)
             gate = weight_of_row if kept is None else weight_of_row.index_select(0, kept)
-            pairs = plan.order if kept is None else plan.order.index_select(0, kept)
-            tiny = torch.finfo(gate.dtype).tiny
+            pairs = plan.order if kept is None else kept_pairs
             d_flat = torch.zeros(T * K, dtype=topk_weight.dtype, device=dout.device)
-            d_weight = d_flat.index_copy_(0, pairs, (dot / gate.clamp_min(tiny)).to(d_flat.dtype)).view(T, K)
+            d_weight = d_flat.index_copy_(0, pairs, dot / gate.clamp_min(torch.finfo(gate.dtype).tiny)).view(T, K)
 
         dx_src = disp.from_experts(dx_rows, splits)
+        del dx_rows
+        row_of_pair = plan.row_of_pair
         if kept is not None:
-            dx_src = dx_src.new_zeros(T * K, dx_src.shape[1]).index_copy_(0, kept, dx_src)
+            # pair -> its retained send row; a dropped pair has none (-1) and adds nothing to dx
+            row_of_pair = torch.full((T * K,), -1, dtype=row_of_pair.dtype, device=dout.device).index_copy_(
+                0, kept_pairs, torch.arange(kept.numel(), dtype=row_of_pair.dtype, device=dout.device)).view(T, K)
         ones = torch.ones((T, K), dtype=dout.dtype, device=dout.device)
-        dx = ops.unpermute(dx_src, plan.row_of_pair, ones)
+        dx = ops.unpermute(dx_src, row_of_pair, ones)
         return (dx, d_weight, None, None, None, None, None, *dw1, *dw2)
+
+
+#: rows of dout gathered at a time for the exact gate gradient (about 64 MiB of bf16 at H = 2048)
+_GATE_GRAD_CHUNK_ELEMENTS = 1 << 25
+
+
+def _exact_gate_grad(y_src: torch.Tensor, dout: torch.Tensor, src: torch.Tensor, order: torch.Tensor,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """d g_p = <y_p, dout_t(p)> for every pair [P] (pair order): a batched row dot (fp32 accumulation in
+    the GEMM), over chunks of send rows so that the gathered dout rows never take a [P, H] buffer."""
+    P, H = y_src.shape
+    step = max(1, _GATE_GRAD_CHUNK_ELEMENTS // max(H, 1))
+    dot = torch.empty(P, dtype=dtype, device=dout.device)
+    for s in range(0, P, step):
+        e = min(P, s + step)
+        d = ops.permute(dout, src[s:e])
+        dot[s:e] = torch.bmm(y_src[s:e].unsqueeze(1), d.unsqueeze(2)).view(-1)
+    return torch.empty_like(dot).index_copy_(0, order, dot)

@@ -90,7 +90,8 @@ def permute(x: torch.Tensor, row_index: torch.Tensor, backend: Optional[str] = N
 
 def unpermute(rows: torch.Tensor, row_of_pair: torch.Tensor, weight: torch.Tensor,
               backend: Optional[str] = None) -> torch.Tensor:
-    """Weighted combine ``out[t] = sum_k weight[t,k] rows[row_of_pair[t,k]]``: rows [P, H] -> [T, H]."""
+    """Weighted combine ``out[t] = sum_k weight[t,k] rows[row_of_pair[t,k]]``: rows [P, H] -> [T, H];
+    a pair whose row index is -1 adds nothing."""
     return _select("unpermute", backend, rows)(rows, row_of_pair, weight)
 
 

@@ -40,11 +40,18 @@ def unpermute(rows: torch.Tensor, row_of_pair: torch.Tensor, weight: torch.Tenso
 
     A gather then a fixed-order sum over k, so it is deterministic (no scatter atomics).
     rows [P, H], row_of_pair [T, K] int, weight [T, K] -> [T, H] in rows' dtype; the sum runs in
-    the wider of rows' and weight's dtypes.
+    the wider of rows' and weight's dtypes. row_of_pair[t, k] = -1: the pair has no row and adds
+    nothing (whatever its weight).
     """
     T, K = row_of_pair.shape
     acc = torch.promote_types(rows.dtype, weight.dtype)
-    gathered = rows.index_select(0, row_of_pair.reshape(-1).long()).view(T, K, rows.shape[-1]).to(acc)
+    index = row_of_pair.reshape(-1).long()
+    missing = index < 0
+    if bool(missing.any()):  # a zero row with weight 0 for the pairs that have none
+        rows = torch.cat([rows, rows.new_zeros(1, rows.shape[-1])])
+        index = torch.where(missing, rows.shape[0] - 1, index)
+        weight = weight.masked_fill(missing.view(T, K), 0)
+    gathered = rows.index_select(0, index).view(T, K, rows.shape[-1]).to(acc)
     return torch.einsum("tkh,tk->th", gathered, weight.to(acc)).to(rows.dtype)
 
 

@@ -76,6 +76,15 @@ def test_capacity_route():
     assert sorted(out.tolist()) == [0, 1, 1, 1]
 
 
+def test_unpermute_missing_rows():
+    rows = torch.randn(3, 4, dtype=torch.float64)
+    rop = torch.tensor([[2, -1], [-1, -1], [0, 1]])
+    w = torch.tensor([[0.5, float("nan")], [float("nan"), 1.0], [1.0, 2.0]], dtype=torch.float64)
+    out = ref.unpermute(rows, rop, w)
+    assert torch.equal(out, torch.stack([0.5 * rows[2], torch.zeros(4, dtype=torch.float64), rows[0] + 2 * rows[1]]))
+    assert torch.equal(ref.unpermute(rows[:0], rop[1:2], w[1:2]), torch.zeros(1, 4, dtype=torch.float64))
+
+
 def test_empty_inputs():
     assert ref.unpermute(torch.zeros(0, 4), torch.zeros(0, 1, dtype=torch.long), torch.ones(0, 1)).shape == (0, 4)
     assert ref.permute(torch.zeros(3, 4), torch.zeros(0, dtype=torch.long)).shape == (0, 4)

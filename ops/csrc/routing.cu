@@ -62,7 +62,8 @@ __global__ void gather_rows_kernel(const V* __restrict__ x, const index_t* __res
   }
 }
 
-// One token per block: out[t, :] = sum_k w[t, k] * rows[row_of_pair[t, k], :], fp32 accumulation in k order.
+// One token per block: out[t, :] = sum_k w[t, k] * rows[row_of_pair[t, k], :], fp32 accumulation in k order;
+// a negative row index adds nothing (the row is not read, so 0 * inf cannot make a NaN).
 template <typename row_t, typename weight_t, typename index_t, int VEC>
 __global__ void combine_kernel(const row_t* __restrict__ rows, const index_t* __restrict__ row_of_pair,
                                const weight_t* __restrict__ weight, row_t* __restrict__ out, int64_t P, int K,
@@ -80,7 +81,8 @@ __global__ void combine_kernel(const row_t* __restrict__ rows, const index_t* __
 #pragma unroll 4
     for (int k = 0; k < K; ++k) {
       const int64_t r = rp[k];
-      LRMOE_DEVICE_ASSERT(r >= 0 && r < P, "unpermute: row_of_pair out of range [0, P)");
+      if (r < 0) continue;  // the pair has no row (dropped in the backward): it adds nothing
+      LRMOE_DEVICE_ASSERT(r < P, "unpermute: row_of_pair out of range [-1, P)");
       const float w = to_float(wp[k]);
       const Vec raw = __ldg(reinterpret_cast<const Vec*>(rows + r * H) + c);
       const row_t* e = reinterpret_cast<const row_t*>(&raw);

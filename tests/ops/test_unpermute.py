@@ -40,6 +40,26 @@ def test_repeated_rows_and_k0(ext):
     assert torch.equal(out, torch.zeros(4, 16, device="cuda"))
 
 
+def test_missing_rows_add_nothing(ext, rel_fro, tol):
+    """row index -1: the pair adds nothing, even with a NaN weight; a token with no rows gets zeros."""
+    gen = torch.Generator().manual_seed(7)
+    T, K, H = 257, 8, 264
+    rows = torch.randn(T * K // 2, H, generator=gen).bfloat16().cuda()
+    rop = torch.randint(0, rows.shape[0], (T, K), generator=gen)
+    missing = torch.rand(T, K, generator=gen) < 0.5
+    missing[3] = True                                   # a token with no rows at all
+    w = torch.rand(T, K, generator=gen)
+    rop, w_nan = rop.masked_fill(missing, -1).cuda(), w.masked_fill(missing, float("nan")).cuda()
+    out = ops.unpermute(rows, rop, w_nan, backend="cuda")
+    ref64 = reference.unpermute(rows.cpu().double(), rop.cpu().clamp_min(0), w.masked_fill(missing, 0).double())
+    assert rel_fro(out, ref64) < tol[torch.bfloat16]
+    assert torch.equal(out[3], torch.zeros(H, dtype=out.dtype, device="cuda"))
+    assert torch.equal(out.cpu(), reference.unpermute(rows.cpu(), rop.cpu(), w_nan.cpu()))
+    empty = ops.unpermute(rows[:0], torch.full((4, 2), -1, device="cuda"), torch.ones(4, 2, device="cuda"),
+                          backend="cuda")
+    assert torch.equal(empty, torch.zeros(4, H, dtype=rows.dtype, device="cuda"))
+
+
 def test_bad_input(ext):
     rows = torch.randn(4, 8, device="cuda")
     with pytest.raises(RuntimeError, match=r"\[T, K\]"):
