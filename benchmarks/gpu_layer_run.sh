@@ -6,7 +6,8 @@
 source benchmarks/gpu_setup.sh || exit 1
 cp -r tests pytest.ini benchmarks train.py ds_configs /tmp/pkg/ && cd /tmp/pkg || exit 1
 ( time python3 -c "from lrmoe_ds import ops; print(ops.cuda_ops_status())" ) > $OUT/build.log 2>&1; tail -4 $OUT/build.log
-timeout 150 python3 -m pytest -q -m gpu -rs tests/ops/test_unpermute.py tests/test_layer_gpu.py 2>&1 \
+timeout 200 python3 -m pytest -q -m gpu -rs tests/ops/test_unpermute.py tests/ops/test_unpermute_weight_grad.py \
+  tests/ops/test_swiglu.py tests/ops/test_permute.py tests/test_layer_gpu.py 2>&1 \
   | tee $OUT/layer_gpu_tests.log | tail -5
 # both shapes x 8k/16k tokens, 11 rows each; the .md is rewritten after every row, so a timeout keeps what ran
 timeout ${BENCH_TIMEOUT:-250} python3 benchmarks/bench_layer.py ${BENCH_ARGS:-} --out $OUT/layer_retention_h200.md \

@@ -104,9 +104,7 @@ class _Combine(torch.autograd.Function):
             weight_of_row = weight.reshape(-1).index_select(0, order)
             d_rows = ops.permute(dout, order // K) * weight_of_row.to(dout.dtype).unsqueeze(1)
         if ctx.needs_input_grad[2]:
-            acc = torch.promote_types(rows.dtype, weight.dtype)
-            pair_rows = ops.permute(rows, row_of_pair.reshape(-1)).view(T, K, rows.shape[-1]).to(acc)
-            d_weight = torch.einsum("tkh,th->tk", pair_rows, dout.to(acc)).to(weight.dtype)
+            d_weight = ops.unpermute_weight_grad(rows, row_of_pair, dout).to(weight.dtype)
         return d_rows, None, d_weight, None
 
 

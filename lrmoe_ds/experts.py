@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lrmoe_ds import ops
+from lrmoe_ds.ops import reference
 
 
 class SwiGLUExpert(nn.Module):
@@ -25,14 +26,18 @@ class SwiGLUExpert(nn.Module):
 
     @staticmethod
     def act(h: torch.Tensor) -> torch.Tensor:
-        gate, up = h.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        """The grouped path's activation (a fused kernel on CUDA; not differentiable)."""
+        return ops.swiglu(h)
+
+    @staticmethod
+    def act_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
+        return ops.swiglu_backward(h, da)
 
     def projections(self):
         return self.gate_up_proj.weight, self.down_proj.weight
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(reference.swiglu(self.gate_up_proj(x)))  # differentiable torch
 
 
 class GELUExpert(nn.Module):
@@ -48,6 +53,10 @@ class GELUExpert(nn.Module):
     def act(h: torch.Tensor) -> torch.Tensor:
         return F.gelu(h)
 
+    @staticmethod
+    def act_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten.gelu_backward(da, h)
+
     def projections(self):
         return self.fc1.weight, self.fc2.weight
 
@@ -58,11 +67,12 @@ class GELUExpert(nn.Module):
 EXPERT_TYPES = {"swiglu": SwiGLUExpert, "gelu": GELUExpert}
 
 
-def mlp_forward(x: torch.Tensor, w1: Sequence[torch.Tensor], w2: Sequence[torch.Tensor], act,
+def mlp_forward(x: torch.Tensor, w1: Sequence[torch.Tensor], w2: Sequence[torch.Tensor], expert_type,
                 group_sizes: torch.Tensor):
-    """y_g = W2_g act(W1_g x_g) over groups of rows. Returns (h, y): pre-activations and outputs."""
+    """y_g = W2_g act(W1_g x_g) over groups of rows, ``expert_type.act`` the activation. Returns (h, y):
+    pre-activations and outputs."""
     h = ops.grouped_linear(x, w1, group_sizes)
-    return h, ops.grouped_linear(act(h), w2, group_sizes)
+    return h, ops.grouped_linear(expert_type.act(h), w2, group_sizes)
 
 
 @dataclass
@@ -77,7 +87,7 @@ class BackwardRows:
     h: Optional[torch.Tensor] = None
 
 
-def mlp_backward(rows: BackwardRows, w1: Sequence[torch.Tensor], w2: Sequence[torch.Tensor], act,
+def mlp_backward(rows: BackwardRows, w1: Sequence[torch.Tensor], w2: Sequence[torch.Tensor], expert_type,
                  group_sizes: torch.Tensor, want_output_dot: bool = False):
     """The backward of :func:`mlp_forward` over the rows given (the retained ones).
 
@@ -89,21 +99,17 @@ def mlp_backward(rows: BackwardRows, w1: Sequence[torch.Tensor], w2: Sequence[to
     rows.x = rows.h = rows.dy = None
     if h is None:
         h = ops.grouped_linear(x, w1, group_sizes)
-    with torch.enable_grad():
-        h_ = h.detach().requires_grad_(True)
-        a_ = act(h_)
-    del h  # h_ (and what act's graph saves) keeps only what the activation's backward needs
-    a = a_.detach()
+    a = expert_type.act(h)
     da = ops.grouped_linear_dgrad(dy, w2, group_sizes)
     dw2 = ops.grouped_linear_wgrad(dy, a, group_sizes)
     y_dot_dy = None
     if want_output_dot:
         y = ops.grouped_linear(a, w2, group_sizes)
-        y_dot_dy = torch.bmm(y.unsqueeze(1), dy.unsqueeze(2)).view(-1)  # fp32 accumulation in the GEMM
+        y_dot_dy = ops.unpermute_weight_grad(y, torch.arange(y.shape[0], device=y.device).view(-1, 1), dy).view(-1)
         del y
     del a, dy
-    (dh,) = torch.autograd.grad(a_, h_, da)
-    del a_, h_, da
+    dh = expert_type.act_backward(h, da)
+    del h, da
     dw1 = ops.grouped_linear_wgrad(dh, x, group_sizes)
     del x
     dx = ops.grouped_linear_dgrad(dh, w1, group_sizes)
@@ -151,9 +157,10 @@ class GroupedExperts(nn.Module):
                 p.group_name = expert_group_name
 
     def projections(self):
-        """(w1 list, w2 list, act) of the built-in experts, for the grouped path."""
+        """(w1 list, w2 list, expert type: its ``act`` and ``act_backward``) of the built-in experts, for
+        the grouped path."""
         experts = self.deepspeed_experts
-        return [e.projections()[0] for e in experts], [e.projections()[1] for e in experts], experts[0].act
+        return [e.projections()[0] for e in experts], [e.projections()[1] for e in experts], type(experts[0])
 
     def forward(self, x: torch.Tensor, group_sizes_host: Sequence[int]) -> torch.Tensor:
         """Any expert module, in a per-expert loop: x [M, H] rows grouped by local expert (exact)."""

@@ -169,8 +169,8 @@ class LRMoE(MoE):
         plan = moe.dispatcher.plan(routing.topk_index, routing.counts)
         if moe.experts.grouped:
             spec = self._backward_spec(plan, x.dtype)
-            w1, w2, act = moe.experts.projections()
-            out = RoutedMLP.apply(x, routing.topk_weight, plan, moe.dispatcher, act, spec, len(w1), *w1, *w2)
+            w1, w2, expert_type = moe.experts.projections()
+            out = RoutedMLP.apply(x, routing.topk_weight, plan, moe.dispatcher, expert_type, spec, len(w1), *w1, *w2)
         else:
             rows = moe.dispatcher.dispatch(x, plan)
             out = moe.dispatcher.combine(moe.experts(rows, plan.group_sizes_host), routing.topk_weight, plan)

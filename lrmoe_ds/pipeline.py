@@ -30,12 +30,12 @@ class RoutedMLP(torch.autograd.Function):
     """out [T, H] = sum_k topk_weight[t, k] * MLP_{e(t,k)}(x_t), over an expert-parallel group."""
 
     @staticmethod
-    def forward(ctx, x, topk_weight, plan: DispatchPlan, dispatcher: AllToAllDispatcher, act, spec: BackwardSpec,
-                n_w1: int, *weights):
+    def forward(ctx, x, topk_weight, plan: DispatchPlan, dispatcher: AllToAllDispatcher, expert_type,
+                spec: BackwardSpec, n_w1: int, *weights):
         w1, w2 = weights[:n_w1], weights[n_w1:]
         K = plan.row_of_pair.shape[1]
         rows = dispatcher.to_experts(ops.permute(x, plan.order // K), plan)
-        h, y = mlp_forward(rows, w1, w2, act, plan.group_sizes)
+        h, y = mlp_forward(rows, w1, w2, expert_type, plan.group_sizes)
         y_src = dispatcher.from_experts(y, plan)
         del y
         out = ops.unpermute(y_src, plan.row_of_pair, topk_weight)
@@ -43,7 +43,7 @@ class RoutedMLP(torch.autograd.Function):
         x_norm = _row_norms(x) if spec.shares is not None and spec.metric == "grad_norm" else None
         ctx.save_for_backward(None if stash else x, rows if stash else None, h if stash else None,
                               y_src if spec.router_grad == "exact" else None, topk_weight, x_norm, *weights)
-        ctx.plan, ctx.dispatcher, ctx.act, ctx.spec, ctx.n_w1 = plan, dispatcher, act, spec, n_w1
+        ctx.plan, ctx.dispatcher, ctx.expert_type, ctx.spec, ctx.n_w1 = plan, dispatcher, expert_type, spec, n_w1
         return out
 
     @staticmethod
@@ -58,7 +58,7 @@ class RoutedMLP(torch.autograd.Function):
         want_router = ctx.needs_input_grad[1]
         d_weight = None
         if want_router and spec.router_grad == "exact":
-            d_weight = _exact_gate_grad(y_src, dout, src, plan.order, topk_weight.dtype).view(T, K)
+            d_weight = ops.unpermute_weight_grad(y_src, plan.row_of_pair, dout).to(topk_weight.dtype)
         del y_src
 
         kept = kept_pairs = None
@@ -92,7 +92,7 @@ class RoutedMLP(torch.autograd.Function):
         want_y = want_router and spec.router_grad == "retained"
         handed = BackwardRows(disp.to_experts(dy, splits), rows, h)
         del dy, rows, h                                                 # mlp_backward frees them as it goes
-        dx_rows, dw1, dw2, y_dot_dy = mlp_backward(handed, w1, w2, ctx.act, splits.group_sizes, want_y)
+        dx_rows, dw1, dw2, y_dot_dy = mlp_backward(handed, w1, w2, ctx.expert_type, splits.group_sizes, want_y)
 
         if want_y:
             # <y_p, dy_p> = g_p w_p <y_p, dout_t>: divided by g_p, the retained pair's weighted gate gradient
@@ -114,20 +114,3 @@ class RoutedMLP(torch.autograd.Function):
         dx = ops.unpermute(dx_src, row_of_pair, ones)
         return (dx, d_weight, None, None, None, None, None, *dw1, *dw2)
 
-
-#: rows of dout gathered at a time for the exact gate gradient (about 64 MiB of bf16 at H = 2048)
-_GATE_GRAD_CHUNK_ELEMENTS = 1 << 25
-
-
-def _exact_gate_grad(y_src: torch.Tensor, dout: torch.Tensor, src: torch.Tensor, order: torch.Tensor,
-                     dtype: torch.dtype) -> torch.Tensor:
-    """d g_p = <y_p, dout_t(p)> for every pair [P] (pair order): a batched row dot (fp32 accumulation in
-    the GEMM), over chunks of send rows so that the gathered dout rows never take a [P, H] buffer."""
-    P, H = y_src.shape
-    step = max(1, _GATE_GRAD_CHUNK_ELEMENTS // max(H, 1))
-    dot = torch.empty(P, dtype=dtype, device=dout.device)
-    for s in range(0, P, step):
-        e = min(P, s + step)
-        d = ops.permute(dout, src[s:e])
-        dot[s:e] = torch.bmm(y_src[s:e].unsqueeze(1), d.unsqueeze(2)).view(-1)
-    return torch.empty_like(dot).index_copy_(0, order, dot)

@@ -17,7 +17,8 @@ import torch
 
 from . import reference
 
-__all__ = ["routing_plan", "permute", "unpermute", "grouped_linear", "grouped_linear_dgrad",
+__all__ = ["routing_plan", "permute", "unpermute", "unpermute_weight_grad", "swiglu", "swiglu_backward",
+           "grouped_linear", "grouped_linear_dgrad",
            "grouped_linear_wgrad", "topk_retention", "capacity_route", "set_default_backend",
            "cuda_ops_status", "BACKENDS"]
 
@@ -93,6 +94,23 @@ def unpermute(rows: torch.Tensor, row_of_pair: torch.Tensor, weight: torch.Tenso
     """Weighted combine ``out[t] = sum_k weight[t,k] rows[row_of_pair[t,k]]``: rows [P, H] -> [T, H];
     a pair whose row index is -1 adds nothing."""
     return _select("unpermute", backend, rows)(rows, row_of_pair, weight)
+
+
+def unpermute_weight_grad(rows: torch.Tensor, row_of_pair: torch.Tensor, dout: torch.Tensor,
+                          backend: Optional[str] = None) -> torch.Tensor:
+    """unpermute's weight gradient ``out[t,k] = <rows[row_of_pair[t,k]], dout[t]>`` [T, K], float32 (float64
+    for float64 rows); a pair whose row index is -1 gets 0."""
+    return _select("unpermute_weight_grad", backend, rows)(rows, row_of_pair, dout)
+
+
+def swiglu(h: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
+    """``silu(h[:, :F]) * h[:, F:]``: h [M, 2F] (gate columns first) -> [M, F]. Not differentiable."""
+    return _select("swiglu", backend, h)(h)
+
+
+def swiglu_backward(h: torch.Tensor, da: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
+    """dh [M, 2F] of :func:`swiglu` from h [M, 2F] and da [M, F]."""
+    return _select("swiglu_backward", backend, h)(h, da)
 
 
 def grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], group_sizes: torch.Tensor,

@@ -74,6 +74,31 @@ def unpermute(rows: torch.Tensor, row_of_pair: torch.Tensor, weight: torch.Tenso
     return out
 
 
+def unpermute_weight_grad(rows: torch.Tensor, row_of_pair: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    rows, row_of_pair, dout = rows.contiguous(), row_of_pair.contiguous(), dout.contiguous()
+    if row_of_pair.dim() != 2:
+        raise ValueError(f"unpermute_weight_grad: row_of_pair must be [T, K], got shape {tuple(row_of_pair.shape)}")
+    out = torch.empty(row_of_pair.shape, dtype=torch.float32, device=rows.device)
+    load().unpermute_weight_grad(rows, row_of_pair, dout, out)
+    return out
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    h = h.contiguous()
+    if h.dim() != 2 or h.shape[1] % 2:
+        raise ValueError(f"swiglu: h must be [M, 2F], got shape {tuple(h.shape)}")
+    out = h.new_empty(h.shape[0], h.shape[1] // 2)
+    load().swiglu(h, out)
+    return out
+
+
+def swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
+    h, da = h.contiguous(), da.contiguous()
+    dh = torch.empty_like(h)
+    load().swiglu_backward(h, da, dh)
+    return dh
+
+
 def topk_retention(scores: torch.Tensor, group_sizes: torch.Tensor, quotas: torch.Tensor, num_kept=None):
     if scores.dim() != 1:
         raise ValueError(f"topk_retention: scores must be [P], got shape {tuple(scores.shape)}")

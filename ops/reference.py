@@ -9,6 +9,7 @@ The references may read sizes to the host (a CPU loop over groups needs them); t
 from typing import Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 
 
 def routing_plan(group_of_pair: torch.Tensor, num_groups: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -43,16 +44,47 @@ def unpermute(rows: torch.Tensor, row_of_pair: torch.Tensor, weight: torch.Tenso
     the wider of rows' and weight's dtypes. row_of_pair[t, k] = -1: the pair has no row and adds
     nothing (whatever its weight).
     """
-    T, K = row_of_pair.shape
     acc = torch.promote_types(rows.dtype, weight.dtype)
+    gathered, missing = _pair_rows(rows, row_of_pair)
+    weight = weight.masked_fill(missing, 0)  # a zero row with weight 0 for the pairs that have none
+    return torch.einsum("tkh,tk->th", gathered.to(acc), weight.to(acc)).to(rows.dtype)
+
+
+def _pair_rows(rows: torch.Tensor, row_of_pair: torch.Tensor):
+    """(rows gathered per pair [T, K, H], missing [T, K]): a zero row where row_of_pair is -1."""
+    T, K = row_of_pair.shape
     index = row_of_pair.reshape(-1).long()
     missing = index < 0
-    if bool(missing.any()):  # a zero row with weight 0 for the pairs that have none
+    if bool(missing.any()):
         rows = torch.cat([rows, rows.new_zeros(1, rows.shape[-1])])
         index = torch.where(missing, rows.shape[0] - 1, index)
-        weight = weight.masked_fill(missing.view(T, K), 0)
-    gathered = rows.index_select(0, index).view(T, K, rows.shape[-1]).to(acc)
-    return torch.einsum("tkh,tk->th", gathered, weight.to(acc)).to(rows.dtype)
+    return rows.index_select(0, index).view(T, K, rows.shape[-1]), missing.view(T, K)
+
+
+def unpermute_weight_grad(rows: torch.Tensor, row_of_pair: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """The gradient of :func:`unpermute` with respect to its weights: out[t, k] = <rows[row_of_pair[t, k]], dout[t]>.
+
+    rows [P, H], row_of_pair [T, K] int (-1: no row, gives 0), dout [T, H] -> [T, K] in the wider of
+    rows' dtype and float32 (the sum runs in it)."""
+    acc = torch.promote_types(rows.dtype, torch.float32)
+    gathered, _ = _pair_rows(rows, row_of_pair)
+    return torch.einsum("tkh,th->tk", gathered.to(acc), dout.to(acc))
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of the up-projection's output h [M, 2F] (gate columns first): silu(gate) * up -> [M, F].
+    Plain torch, so it is also the differentiable version the expert modules use."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
+    """dh [M, 2F] of :func:`swiglu` from h and da [M, F]; computed in the wider of h's dtype and float32."""
+    acc = torch.promote_types(h.dtype, torch.float32)
+    gate, up = h.to(acc).chunk(2, dim=-1)
+    da = da.to(acc)
+    s = torch.sigmoid(gate)
+    return torch.cat([da * up * s * (1 + gate * (1 - s)), da * gate * s], dim=-1).to(h.dtype)
 
 
 def _group_slices(group_sizes: torch.Tensor):

@@ -91,3 +91,28 @@ def test_empty_inputs():
     assert ref.grouped_linear(torch.zeros(0, 4), [torch.ones(2, 4)] * 3, torch.zeros(3, dtype=torch.long)).shape == (0, 2)
     dws = ref.grouped_linear_wgrad(torch.zeros(0, 2), torch.zeros(0, 4), torch.zeros(3, dtype=torch.long))
     assert all(d.shape == (2, 4) and not d.any() for d in dws)
+
+
+def test_unpermute_weight_grad_is_autograds():
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(10, 6, generator=gen, dtype=torch.float64)
+    rop = torch.randint(0, 10, (7, 3), generator=gen)
+    rop[2, 1] = -1                                              # a pair with no row
+    w = torch.rand(7, 3, generator=gen, dtype=torch.float64).requires_grad_(True)
+    dout = torch.randn(7, 6, generator=gen, dtype=torch.float64)
+    (ref.unpermute(rows, rop, w) * dout).sum().backward()
+    got = ref.unpermute_weight_grad(rows, rop, dout)
+    torch.testing.assert_close(got, w.grad, rtol=1e-12, atol=1e-12)
+    assert got[2, 1] == 0
+    assert ref.unpermute_weight_grad(rows.float(), rop, dout.float()).dtype == torch.float32
+
+
+def test_swiglu_backward_is_autograds():
+    gen = torch.Generator().manual_seed(4)
+    h = (3 * torch.randn(9, 10, generator=gen, dtype=torch.float64)).requires_grad_(True)
+    da = torch.randn(9, 5, generator=gen, dtype=torch.float64)
+    a = ref.swiglu(h)
+    gate, up = h.detach().chunk(2, -1)
+    torch.testing.assert_close(a, gate * torch.sigmoid(gate) * up)
+    a.backward(da)
+    torch.testing.assert_close(ref.swiglu_backward(h.detach(), da), h.grad, rtol=1e-12, atol=1e-12)

@@ -1,8 +1,10 @@
 """Retention: quotas and shares, priority sampling (unbiased), the topk ablation, and the layer's
 retained backward (exact at ratio 1, equal to a reference over exactly the selected pairs, both
-activation policies, both router gradients, the bytes saved for backward)."""
+activation policies, both router gradients, what the forward keeps and what the backward allocates)."""
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import lrmoe_ds
 from lrmoe_ds.quotas import plan_quotas, rank_shares
@@ -219,7 +221,7 @@ def test_ratio_half_is_unbiased_and_router_stays_exact():
 
 
 def saved_bytes(layer, x):
-    """Bytes packed by saved-tensor hooks over one forward + backward (the backward's recompute saves too)."""
+    """Bytes the forward keeps for the backward (packed by saved-tensor hooks)."""
     total = 0
 
     def pack(t):
@@ -227,20 +229,48 @@ def saved_bytes(layer, x):
         total += t.numel() * t.element_size()
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer_grads(layer, x)
+        out, _, _ = layer(x.clone().requires_grad_(True))
     return total
 
 
-def test_recompute_saves_less_and_falls_with_retention():
+class _AllocatedBytes(TorchDispatchMode):
+    """Sums the bytes of the new tensors every op makes under it (views and in-place results, which
+    share an input's storage, count nothing): how much the backward allocates."""
+    total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self.total += t.untyped_storage().nbytes()
+        return out
+
+
+def backward_bytes(layer, x):
+    out, _, _ = layer(x.clone().requires_grad_(True))
+    loss = (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum()
+    with _AllocatedBytes() as mode:
+        loss.backward()
+    return mode.total
+
+
+def test_memory_recompute_keeps_less_and_the_backward_falls_with_retention():
     layer, x = make_layer(3)
-    configure(layer, retention_ratio=1.0, policy="stash", router_grad="retained")
-    stash = saved_bytes(layer, x)
-    by_ratio = {}
-    for ratio in (1.0, 0.5, 0.25):
-        configure(layer, retention_ratio=ratio, policy="recompute", router_grad="retained")
-        by_ratio[ratio] = saved_bytes(layer, x)
-    assert by_ratio[1.0] < stash
-    assert by_ratio[0.25] < by_ratio[0.5] < by_ratio[1.0], by_ratio
+    held, made = {}, {}
+    for policy in ("stash", "recompute"):
+        for ratio in (1.0, 0.5, 0.25):
+            configure(layer, retention_ratio=ratio, policy=policy, router_grad="retained")
+            held[policy, ratio], made[policy, ratio] = saved_bytes(layer, x), backward_bytes(layer, x)
+    # what the forward keeps cannot depend on the selection (it needs dout): the policy sets it
+    P, fp64 = T * K, 8
+    assert held["stash", 1.0] - held["recompute", 1.0] == (P * H + P * 2 * F - T * H) * fp64  # rows + h, not x
+    for policy in ("stash", "recompute"):  # below 1.0 only ||x_t|| joins (the grad_norm metric's factor)
+        assert held[policy, 0.25] == held[policy, 0.5] == held[policy, 1.0] + T * fp64
+    # the backward's buffers are sized by the retained rows
+    for policy in ("stash", "recompute"):
+        assert made[policy, 0.25] < made[policy, 0.5] < made[policy, 1.0], (policy, made)
+    assert made["recompute", 1.0] > made["stash", 1.0]  # it recomputes h
 
 
 def test_eval_and_disabled_run_exact():

@@ -6,6 +6,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("routing_plan", &lrmoe::routing_plan_op, "group pairs by destination (counts, order, offsets)");
   m.def("permute", &lrmoe::permute_op, "row gather out[i] = x[row_index[i]]");
   m.def("unpermute", &lrmoe::unpermute_op, "weighted combine out[t] = sum_k w[t,k] rows[row_of_pair[t,k]]");
+  m.def("unpermute_weight_grad", &lrmoe::unpermute_weight_grad_op,
+        "the combine's weight gradient out[t,k] = <rows[row_of_pair[t,k]], dout[t]> (fp32)");
+  m.def("swiglu", &lrmoe::swiglu_op, "a = silu(h[:, :F]) * h[:, F:]");
+  m.def("swiglu_backward", &lrmoe::swiglu_backward_op, "dh of swiglu from h and da");
   m.def("topk_retention", &lrmoe::topk_retention_op, "quota-aware top-k retention per group");
   m.def("capacity_route", &lrmoe::capacity_route_op, "assign retained pairs to instances under capacities");
   m.def("grouped_gemm", &lrmoe::grouped_gemm_op, "segmented GEMM: pass 0 forward, 1 dgrad, 2 wgrad",

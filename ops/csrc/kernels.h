@@ -31,6 +31,14 @@ void permute(const void* x, int64_t T, int64_t row_bytes, const void* index, ITy
 void unpermute(const void* rows, DType rtype, int64_t P, int64_t H, const void* row_of_pair, IType itype,
                const void* weight, DType wtype, int64_t T, int K, void* out, cudaStream_t stream);
 
+// out[t, k] = <rows[row_of_pair[t, k], :], dout[t, :]>, fp32 [T, K] (unpermute's weight gradient); -1 rows give 0.
+void unpermute_weight_grad(const void* rows, DType rtype, int64_t P, int64_t H, const void* row_of_pair, IType itype,
+                           const void* dout, int64_t T, int K, float* out, cudaStream_t stream);
+// SwiGLU on h [M, 2F] (gate columns first): a[M, F] = silu(gate) * up; and its backward
+// dh[M, 2F] from h and da [M, F]. fp32 arithmetic, one rounding per output.
+void swiglu(const void* h, DType dtype, int64_t M, int64_t F, void* a, cudaStream_t stream);
+void swiglu_backward(const void* h, const void* da, DType dtype, int64_t M, int64_t F, void* dh, cudaStream_t stream);
+
 // Quota-aware top-k; see retention.cu. kept [P] (the first sum_g min(q_g, n_g) entries are written),
 // kept_sizes [G] int64, threshold [G] in scores' dtype, summary [3] int64 = (kept total, sum of
 // group_sizes, number of negative quotas), read by the caller in its one synchronisation.

@@ -91,6 +91,51 @@ void unpermute_op(const at::Tensor& rows, const at::Tensor& row_of_pair, const a
             (int)row_of_pair.size(1), out.data_ptr(), stream());
 }
 
+void unpermute_weight_grad_op(const at::Tensor& rows, const at::Tensor& row_of_pair, const at::Tensor& dout,
+                              at::Tensor& out) {
+  check_cuda(rows, "unpermute_weight_grad: rows");
+  check_cuda(row_of_pair, "unpermute_weight_grad: row_of_pair");
+  check_cuda(dout, "unpermute_weight_grad: dout");
+  LRMOE_CHECK(rows.dim() == 2 && row_of_pair.dim() == 2 && dout.dim() == 2,
+              "unpermute_weight_grad: rows must be [P, H], row_of_pair [T, K] and dout [T, H]; got ", rows.sizes(),
+              ", ", row_of_pair.sizes(), " and ", dout.sizes());
+  const int64_t T = row_of_pair.size(0), H = rows.size(1);
+  LRMOE_CHECK(dout.size(0) == T && dout.size(1) == H, "unpermute_weight_grad: dout must be [T, H] = [", T, ", ", H,
+              "], got ", dout.sizes());
+  LRMOE_CHECK(dout.scalar_type() == rows.scalar_type(), "unpermute_weight_grad: dout must have rows' dtype ",
+              rows.scalar_type(), ", got ", dout.scalar_type());
+  LRMOE_CHECK(T < (int64_t(1) << 31), "unpermute_weight_grad: at most 2^31-1 tokens");
+  const IType it = itype_of(row_of_pair, "unpermute_weight_grad: row_of_pair");
+  const DType rt = dtype_of(rows, "unpermute_weight_grad: rows");
+  check_out(out, {T, row_of_pair.size(1)}, at::kFloat, rows, "unpermute_weight_grad: out");
+  const c10::cuda::CUDAGuard guard(rows.device());
+  unpermute_weight_grad(rows.data_ptr(), rt, rows.size(0), H, row_of_pair.data_ptr(), it, dout.data_ptr(), T,
+                        (int)row_of_pair.size(1), out.data_ptr<float>(), stream());
+}
+
+void swiglu_op(const at::Tensor& h, at::Tensor& out) {
+  check_cuda(h, "swiglu: h");
+  LRMOE_CHECK(h.dim() == 2 && h.size(1) % 2 == 0, "swiglu: h must be [M, 2F], got shape ", h.sizes());
+  const DType dt = dtype_of(h, "swiglu: h");
+  check_out(out, {h.size(0), h.size(1) / 2}, h.scalar_type(), h, "swiglu: out");
+  const c10::cuda::CUDAGuard guard(h.device());
+  swiglu(h.data_ptr(), dt, h.size(0), h.size(1) / 2, out.data_ptr(), stream());
+}
+
+void swiglu_backward_op(const at::Tensor& h, const at::Tensor& da, at::Tensor& dh) {
+  check_cuda(h, "swiglu_backward: h");
+  check_cuda(da, "swiglu_backward: da");
+  LRMOE_CHECK(h.dim() == 2 && h.size(1) % 2 == 0, "swiglu_backward: h must be [M, 2F], got shape ", h.sizes());
+  LRMOE_CHECK(da.dim() == 2 && da.size(0) == h.size(0) && da.size(1) == h.size(1) / 2 &&
+                  da.scalar_type() == h.scalar_type(),
+              "swiglu_backward: da must be [M, F] = [", h.size(0), ", ", h.size(1) / 2, "] in ", h.scalar_type(),
+              ", got ", da.scalar_type(), " ", da.sizes());
+  const DType dt = dtype_of(h, "swiglu_backward: h");
+  check_out(dh, h.sizes(), h.scalar_type(), h, "swiglu_backward: dh");
+  const c10::cuda::CUDAGuard guard(h.device());
+  swiglu_backward(h.data_ptr(), da.data_ptr(), dt, h.size(0), h.size(1) / 2, dh.data_ptr(), stream());
+}
+
 void topk_retention_op(const at::Tensor& scores, const at::Tensor& group_sizes, const at::Tensor& quotas,
                        at::Tensor& kept, at::Tensor& kept_sizes, at::Tensor& threshold, at::Tensor& summary) {
   check_cuda(scores, "topk_retention: scores");

@@ -31,6 +31,10 @@ void routing_plan_op(const at::Tensor& group_of_pair, int64_t num_groups, at::Te
                      at::Tensor& offsets);
 void permute_op(const at::Tensor& x, const at::Tensor& row_index, at::Tensor& out);
 void unpermute_op(const at::Tensor& rows, const at::Tensor& row_of_pair, const at::Tensor& weight, at::Tensor& out);
+void unpermute_weight_grad_op(const at::Tensor& rows, const at::Tensor& row_of_pair, const at::Tensor& dout,
+                              at::Tensor& out);
+void swiglu_op(const at::Tensor& h, at::Tensor& out);
+void swiglu_backward_op(const at::Tensor& h, const at::Tensor& da, at::Tensor& dh);
 void topk_retention_op(const at::Tensor& scores, const at::Tensor& group_sizes, const at::Tensor& quotas,
                        at::Tensor& kept, at::Tensor& kept_sizes, at::Tensor& threshold, at::Tensor& summary);
 void capacity_route_op(const at::Tensor& pair_group, const at::Tensor& pair_rank, const at::Tensor& instance_group,

@@ -97,6 +97,58 @@ __global__ void combine_kernel(const row_t* __restrict__ rows, const index_t* __
   }
 }
 
+// One token per block: out[t, k] = <rows[row_of_pair[t, k], :], dout[t, :]> in fp32 (the gradient of the
+// combine's weights); a negative row index gives 0. Up to kPairsPerPass pairs share one block reduction.
+constexpr int kPairsPerPass = 8;
+template <typename row_t, typename index_t, int VEC>
+__global__ void combine_weight_grad_kernel(const row_t* __restrict__ rows, const index_t* __restrict__ row_of_pair,
+                                           const row_t* __restrict__ dout, float* __restrict__ out, int64_t P, int K,
+                                           int64_t H) {
+  using Vec = typename std::conditional<VEC * sizeof(row_t) == 16, uint4, row_t>::type;
+  __shared__ float partial[kPairsPerPass][32];
+  const int64_t t = blockIdx.x;
+  const int64_t nvec = H / VEC;
+  const index_t* rp = row_of_pair + t * K;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = (blockDim.x + 31) / 32;
+  for (int k0 = 0; k0 < K; k0 += kPairsPerPass) {
+    const int nk = min(kPairsPerPass, K - k0);
+    float acc[kPairsPerPass];
+#pragma unroll
+    for (int j = 0; j < kPairsPerPass; ++j) acc[j] = 0.f;
+    for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
+      const Vec draw = __ldg(reinterpret_cast<const Vec*>(dout + t * H) + c);
+      const row_t* d = reinterpret_cast<const row_t*>(&draw);
+#pragma unroll
+      for (int j = 0; j < kPairsPerPass; ++j) {
+        if (j >= nk) break;
+        const int64_t r = rp[k0 + j];
+        if (r < 0) continue;
+        LRMOE_DEVICE_ASSERT(r < P, "unpermute_weight_grad: row_of_pair out of range [-1, P)");
+        const Vec raw = __ldg(reinterpret_cast<const Vec*>(rows + r * H) + c);
+        const row_t* e = reinterpret_cast<const row_t*>(&raw);
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) acc[j] = fmaf(to_float(e[v]), to_float(d[v]), acc[j]);
+      }
+    }
+    // fixed-order reduction (warp shuffles, then warp 0 over the warps): deterministic
+#pragma unroll
+    for (int j = 0; j < kPairsPerPass; ++j) {
+      float v = acc[j];
+      for (int off = 16; off > 0; off /= 2) v += __shfl_down_sync(0xffffffffu, v, off);
+      if (lane == 0) partial[j][warp] = v;
+    }
+    __syncthreads();
+    if (warp == 0) {
+      for (int j = 0; j < nk; ++j) {
+        float v = lane < nwarps ? partial[j][lane] : 0.f;
+        for (int off = 16; off > 0; off /= 2) v += __shfl_down_sync(0xffffffffu, v, off);
+        if (lane == 0) out[t * K + k0 + j] = v;
+      }
+    }
+    __syncthreads();
+  }
+}
+
 int threads_for(int64_t work) { return (int)std::min<int64_t>(256, std::max<int64_t>(32, (work + 31) / 32 * 32)); }
 
 }  // namespace
@@ -185,6 +237,30 @@ void unpermute(const void* rows, DType rtype, int64_t P, int64_t H, const void* 
     });
   });
   LRMOE_LAUNCH_CHECK("unpermute");
+}
+
+void unpermute_weight_grad(const void* rows, DType rtype, int64_t P, int64_t H, const void* row_of_pair, IType itype,
+                           const void* dout, int64_t T, int K, float* out, cudaStream_t stream) {
+  if (T == 0 || K == 0) return;
+  if (H == 0) {
+    LRMOE_CUDA_CHECK(cudaMemsetAsync(out, 0, T * K * sizeof(float), stream));
+    return;
+  }
+  dispatch_float(rtype, [&](auto rtag) {
+    using row_t = decltype(rtag);
+    dispatch_index(itype, [&](auto itag) {
+      using index_t = decltype(itag);
+      constexpr int VEC = 16 / sizeof(row_t);
+      const auto* r = static_cast<const row_t*>(rows);
+      const auto* rp = static_cast<const index_t*>(row_of_pair);
+      const auto* d = static_cast<const row_t*>(dout);
+      if (H % VEC == 0 && aligned16(rows) && aligned16(dout))
+        combine_weight_grad_kernel<row_t, index_t, VEC><<<(unsigned)T, threads_for(H / VEC), 0, stream>>>(r, rp, d, out, P, K, H);
+      else
+        combine_weight_grad_kernel<row_t, index_t, 1><<<(unsigned)T, threads_for(H), 0, stream>>>(r, rp, d, out, P, K, H);
+    });
+  });
+  LRMOE_LAUNCH_CHECK("unpermute_weight_grad");
 }
 
 }  // namespace lrmoe

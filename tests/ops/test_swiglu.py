@@ -1,0 +1,57 @@
+"""swiglu / swiglu_backward on CUDA vs an fp64 reference (the torch reference ops in float64)."""
+import itertools
+
+import pytest
+import torch
+
+from lrmoe_ds import ops
+from lrmoe_ds.ops import reference
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("M,F,dtype", list(itertools.product([1, 37, 4096], [8, 5, 768, 1408], DTYPES)))
+def test_matches_fp64_reference(ext, rel_fro, tol, M, F, dtype):
+    gen = torch.Generator().manual_seed(M + 7 * F)
+    h64 = 4 * torch.randn(M, 2 * F, generator=gen, dtype=torch.float64)
+    da64 = torch.randn(M, F, generator=gen, dtype=torch.float64)
+    h, da = h64.to(dtype).cuda(), da64.to(dtype).cuda()
+    a_ref = reference.swiglu(h.cpu().double())          # the rounded inputs, in fp64
+    dh_ref = reference.swiglu_backward(h.cpu().double(), da.cpu().double())
+    a = torch.full((M, F), float("nan"), dtype=dtype, device="cuda")
+    ext.swiglu(h, a)
+    dh = torch.full((M, 2 * F), float("nan"), dtype=dtype, device="cuda")
+    ext.swiglu_backward(h, da, dh)
+    assert rel_fro(a, a_ref) < tol[dtype] and rel_fro(dh, dh_ref) < tol[dtype]
+    assert torch.equal(ops.swiglu(h, backend="cuda"), a)
+    assert torch.equal(ops.swiglu_backward(h, da, backend="cuda"), dh)
+
+
+def test_extremes_and_empty(ext):
+    h = torch.tensor([[-1e4, 0.0, 1e4, -30.0, 3.0, 2.0, 5.0, 7.0]], device="cuda")
+    a = ops.swiglu(h, backend="cuda")
+    torch.testing.assert_close(a, reference.swiglu(h.double()).float())
+    dh = ops.swiglu_backward(h, torch.ones(1, 4, device="cuda"), backend="cuda")
+    assert torch.isfinite(a).all() and torch.isfinite(dh).all()
+    torch.testing.assert_close(dh, reference.swiglu_backward(h.double(), torch.ones(1, 4).cuda().double()).float())
+    empty = torch.zeros(0, 16, device="cuda", dtype=torch.bfloat16)
+    assert ops.swiglu(empty, backend="cuda").shape == (0, 8)
+    assert ops.swiglu_backward(empty, empty[:, :8], backend="cuda").shape == (0, 16)
+
+
+def test_unaligned_view_input(ext, rel_fro, tol):
+    """A row offset that breaks 16-byte alignment takes the scalar path and stays right."""
+    base = torch.randn(65, 2 * 768, device="cuda", dtype=torch.bfloat16)
+    h = base.view(-1)[2:2 + 64 * 1536].view(64, 1536)
+    assert rel_fro(ops.swiglu(h, backend="cuda"), reference.swiglu(h.double())) < tol[torch.bfloat16]
+
+
+def test_bad_input(ext):
+    with pytest.raises(ValueError, match=r"\[M, 2F\]"):
+        ops.swiglu(torch.zeros(3, 5, device="cuda"), backend="cuda")
+    with pytest.raises(RuntimeError, match="da must be"):
+        ops.swiglu_backward(torch.zeros(3, 8, device="cuda"), torch.zeros(3, 3, device="cuda"), backend="cuda")
+    with pytest.raises(RuntimeError, match="float32, float16 or bfloat16"):
+        ops.swiglu(torch.zeros(3, 8, device="cuda", dtype=torch.float64), backend="cuda")
