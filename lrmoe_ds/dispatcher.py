@@ -102,7 +102,7 @@ class _Combine(torch.autograd.Function):
         d_rows = d_weight = None
         if ctx.needs_input_grad[0]:
             weight_of_row = weight.reshape(-1).index_select(0, order)
-            d_rows = ops.permute(dout, order // K) * weight_of_row.to(dout.dtype).unsqueeze(1)
+            d_rows = ops.permute(dout, order // K, weight_of_row)
         if ctx.needs_input_grad[2]:
             d_weight = ops.unpermute_weight_grad(rows, row_of_pair, dout).to(weight.dtype)
         return d_rows, None, d_weight, None

@@ -81,8 +81,7 @@ class RoutedMLP(torch.autograd.Function):
             if spec.record is not None:
                 spec.record.update(kept=kept, scale=scale, pairs=kept_pairs)
 
-        # dy_p = w_p dout_t, weighted in place on the fresh gather: one [P', H] buffer
-        dy = ops.permute(dout, src).mul_(row_weight.to(dout.dtype).unsqueeze(1))
+        dy = ops.permute(dout, src, row_weight)                          # dy_p = w_p dout_t, one pass
         if spec.policy == "stash":
             if kept is not None:
                 at_experts = disp.positions_at_experts(kept, plan, splits)

@@ -84,9 +84,10 @@ def routing_plan(group_of_pair: torch.Tensor, num_groups: int, backend: Optional
     return _select("routing_plan", backend, group_of_pair)(group_of_pair, num_groups)
 
 
-def permute(x: torch.Tensor, row_index: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
-    """Row gather ``x[row_index]``: x [T, H], row_index [P] -> [P, H]."""
-    return _select("permute", backend, x)(x, row_index)
+def permute(x: torch.Tensor, row_index: torch.Tensor, row_scale: Optional[torch.Tensor] = None,
+            backend: Optional[str] = None) -> torch.Tensor:
+    """Row gather ``x[row_index]`` (times ``row_scale[i]`` per row, if given): x [T, H], row_index [P] -> [P, H]."""
+    return _select("permute", backend, x)(x, row_index, row_scale)
 
 
 def unpermute(rows: torch.Tensor, row_of_pair: torch.Tensor, weight: torch.Tensor,

@@ -54,13 +54,16 @@ def routing_plan(group_of_pair: torch.Tensor, num_groups: int):
     return counts, order, offsets
 
 
-def permute(x: torch.Tensor, row_index: torch.Tensor) -> torch.Tensor:
+def permute(x: torch.Tensor, row_index: torch.Tensor, row_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     x = x.contiguous()
     index = row_index.reshape(-1).contiguous()
     if x.dim() != 2:
         raise ValueError(f"permute: x must be [T, H], got shape {tuple(x.shape)}")
     out = x.new_empty(index.numel(), x.shape[1])
-    load().permute(x, index, out)
+    if row_scale is None:
+        load().permute(x, index, out)
+    else:
+        load().permute_scaled(x, index, row_scale.reshape(-1).contiguous(), out)
     return out
 
 

@@ -31,9 +31,11 @@ def routing_plan(group_of_pair: torch.Tensor, num_groups: int) -> Tuple[torch.Te
     return counts, order, offsets
 
 
-def permute(x: torch.Tensor, row_index: torch.Tensor) -> torch.Tensor:
-    """Row gather into grouped order: out[i] = x[row_index[i]].  x [T, H], row_index [P] -> [P, H]."""
-    return x.index_select(0, row_index.long())
+def permute(x: torch.Tensor, row_index: torch.Tensor, row_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Row gather into grouped order: out[i] = x[row_index[i]] (* row_scale[i], rounded to x's dtype first).
+    x [T, H], row_index [P], row_scale [P] or None -> [P, H]."""
+    out = x.index_select(0, row_index.reshape(-1).long())
+    return out if row_scale is None else out * row_scale.reshape(-1, 1).to(x.dtype)
 
 
 def unpermute(rows: torch.Tensor, row_of_pair: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lrmoe_ds CUDA ops (see ops/cuda.py)";
   m.def("routing_plan", &lrmoe::routing_plan_op, "group pairs by destination (counts, order, offsets)");
   m.def("permute", &lrmoe::permute_op, "row gather out[i] = x[row_index[i]]");
+  m.def("permute_scaled", &lrmoe::permute_scaled_op, "scaled row gather out[i] = x[row_index[i]] * row_scale[i]");
   m.def("unpermute", &lrmoe::unpermute_op, "weighted combine out[t] = sum_k w[t,k] rows[row_of_pair[t,k]]");
   m.def("unpermute_weight_grad", &lrmoe::unpermute_weight_grad_op,
         "the combine's weight gradient out[t,k] = <rows[row_of_pair[t,k]], dout[t]> (fp32)");

@@ -27,6 +27,9 @@ size_t routing_plan(const void* group_of_pair, IType itype, int64_t P, int64_t G
 // out[i, :] = x[index[i], :]; rows of `row_bytes` bytes.
 void permute(const void* x, int64_t T, int64_t row_bytes, const void* index, IType itype, int64_t P, void* out,
              cudaStream_t stream);
+// out[i, :] = x[index[i], :] * scale[i] (x [T, H] float; the scale rounded to x's dtype, one rounding of the product).
+void permute_scaled(const void* x, DType xtype, int64_t T, int64_t H, const void* index, IType itype, int64_t P,
+                    const void* scale, DType stype, void* out, cudaStream_t stream);
 // out[t, :] = sum_k weight[t, k] * rows[row_of_pair[t, k], :]  (fp32 accumulation, k order).
 void unpermute(const void* rows, DType rtype, int64_t P, int64_t H, const void* row_of_pair, IType itype,
                const void* weight, DType wtype, int64_t T, int K, void* out, cudaStream_t stream);

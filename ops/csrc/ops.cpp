@@ -73,6 +73,24 @@ void permute_op(const at::Tensor& x, const at::Tensor& row_index, at::Tensor& ou
   permute(x.data_ptr(), x.size(0), x.size(1) * x.element_size(), row_index.data_ptr(), it, P, out.data_ptr(), stream());
 }
 
+void permute_scaled_op(const at::Tensor& x, const at::Tensor& row_index, const at::Tensor& row_scale, at::Tensor& out) {
+  check_cuda(x, "permute: x");
+  check_cuda(row_index, "permute: row_index");
+  check_cuda(row_scale, "permute: row_scale");
+  LRMOE_CHECK(x.dim() == 2, "permute: x must be [T, H], got shape ", x.sizes());
+  LRMOE_CHECK(row_index.dim() == 1, "permute: row_index must be [P], got shape ", row_index.sizes());
+  const int64_t P = row_index.numel();
+  LRMOE_CHECK(row_scale.dim() == 1 && row_scale.size(0) == P, "permute: row_scale must be [P] = [", P, "], got shape ",
+              row_scale.sizes());
+  LRMOE_CHECK(P < (int64_t(1) << 31), "permute: at most 2^31-1 rows with a row_scale");
+  const IType it = itype_of(row_index, "permute: row_index");
+  const DType xt = dtype_of(x, "permute: x (with a row_scale)"), st = dtype_of(row_scale, "permute: row_scale");
+  check_out(out, {P, x.size(1)}, x.scalar_type(), x, "permute: out");
+  const c10::cuda::CUDAGuard guard(x.device());
+  permute_scaled(x.data_ptr(), xt, x.size(0), x.size(1), row_index.data_ptr(), it, P, row_scale.data_ptr(), st,
+                 out.data_ptr(), stream());
+}
+
 void unpermute_op(const at::Tensor& rows, const at::Tensor& row_of_pair, const at::Tensor& weight, at::Tensor& out) {
   check_cuda(rows, "unpermute: rows");
   check_cuda(row_of_pair, "unpermute: row_of_pair");

@@ -30,6 +30,7 @@ template <typename... A> std::string msg(const A&... parts) { return (std::strin
 void routing_plan_op(const at::Tensor& group_of_pair, int64_t num_groups, at::Tensor& counts, at::Tensor& order,
                      at::Tensor& offsets);
 void permute_op(const at::Tensor& x, const at::Tensor& row_index, at::Tensor& out);
+void permute_scaled_op(const at::Tensor& x, const at::Tensor& row_index, const at::Tensor& row_scale, at::Tensor& out);
 void unpermute_op(const at::Tensor& rows, const at::Tensor& row_of_pair, const at::Tensor& weight, at::Tensor& out);
 void unpermute_weight_grad_op(const at::Tensor& rows, const at::Tensor& row_of_pair, const at::Tensor& dout,
                               at::Tensor& out);

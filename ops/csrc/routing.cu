@@ -62,6 +62,28 @@ __global__ void gather_rows_kernel(const V* __restrict__ x, const index_t* __res
   }
 }
 
+// One row per block: out[i, :] = x[index[i], :] * scale[i], the scale rounded to x's dtype first and the
+// product rounded once (as torch's x[index] * scale.to(x.dtype)).
+template <typename row_t, typename scale_t, typename index_t, int VEC>
+__global__ void gather_scale_rows_kernel(const row_t* __restrict__ x, const index_t* __restrict__ index,
+                                         const scale_t* __restrict__ scale, row_t* __restrict__ out, int64_t T,
+                                         int64_t H) {
+  using Vec = typename std::conditional<VEC * sizeof(row_t) == 16, uint4, row_t>::type;
+  const int64_t i = blockIdx.x;
+  const int64_t src = index[i];
+  LRMOE_DEVICE_ASSERT(src >= 0 && src < T, "permute: row index out of range [0, T)");
+  const float s = to_float(from_float<row_t>(to_float(scale[i])));
+  for (int64_t c = threadIdx.x; c < H / VEC; c += blockDim.x) {
+    const Vec raw = __ldg(reinterpret_cast<const Vec*>(x + src * H) + c);
+    const row_t* e = reinterpret_cast<const row_t*>(&raw);
+    Vec res;
+    row_t* o = reinterpret_cast<row_t*>(&res);
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) o[v] = from_float<row_t>(to_float(e[v]) * s);
+    reinterpret_cast<Vec*>(out + i * H)[c] = res;
+  }
+}
+
 // One token per block: out[t, :] = sum_k w[t, k] * rows[row_of_pair[t, k], :], fp32 accumulation in k order;
 // a negative row index adds nothing (the row is not read, so 0 * inf cannot make a NaN).
 template <typename row_t, typename weight_t, typename index_t, int VEC>
@@ -209,6 +231,30 @@ void permute(const void* x, int64_t T, int64_t row_bytes, const void* index, ITy
   else if (row_bytes % 2 == 0) launch(uint16_t{});
   else launch(uint8_t{});
   LRMOE_LAUNCH_CHECK("permute");
+}
+
+void permute_scaled(const void* x, DType xtype, int64_t T, int64_t H, const void* index, IType itype, int64_t P,
+                    const void* scale, DType stype, void* out, cudaStream_t stream) {
+  if (P == 0 || H == 0) return;
+  dispatch_float(xtype, [&](auto xtag) {
+    using row_t = decltype(xtag);
+    dispatch_float(stype, [&](auto stag) {
+      using scale_t = decltype(stag);
+      dispatch_index(itype, [&](auto itag) {
+        using index_t = decltype(itag);
+        constexpr int VEC = 16 / sizeof(row_t);
+        const auto* xr = static_cast<const row_t*>(x);
+        const auto* ix = static_cast<const index_t*>(index);
+        const auto* sc = static_cast<const scale_t*>(scale);
+        auto* o = static_cast<row_t*>(out);
+        if (H % VEC == 0 && aligned16(x) && aligned16(out))
+          gather_scale_rows_kernel<row_t, scale_t, index_t, VEC><<<(unsigned)P, threads_for(H / VEC), 0, stream>>>(xr, ix, sc, o, T, H);
+        else
+          gather_scale_rows_kernel<row_t, scale_t, index_t, 1><<<(unsigned)P, threads_for(H), 0, stream>>>(xr, ix, sc, o, T, H);
+      });
+    });
+  });
+  LRMOE_LAUNCH_CHECK("permute (scaled)");
 }
 
 void unpermute(const void* rows, DType rtype, int64_t P, int64_t H, const void* row_of_pair, IType itype,
