@@ -110,7 +110,7 @@ class LRMoE(MoE):
         self.last_stats: Optional[RetentionStats] = None
         self.last_selection: Optional[dict] = None  # filled by the backward when keep_last_selection
         self.keep_last_selection = False
-        # training forwards so far: seeds the retention sampling; a buffer, so checkpoints restore it.
+        # training forwards with grad so far: seeds the retention sampling; a buffer, so checkpoints restore it.
         # A host copy avoids reading the device buffer (a synchronisation) every forward.
         self.register_buffer("retention_step", torch.zeros((), dtype=torch.long))
         self._retention_step_host: Optional[int] = None
@@ -174,7 +174,9 @@ class LRMoE(MoE):
         else:
             rows = moe.dispatcher.dispatch(x, plan)
             out = moe.dispatcher.combine(moe.experts(rows, plan.group_sizes_host), routing.topk_weight, plan)
-        if self.training:
+        if self.training and torch.is_grad_enabled():
+            # only forwards that a backward follows: reentrant activation checkpointing's first, no-grad
+            # forward does not count, so the counter (and the sampling seed) advances once per step
             self.retention_step += 1
             if self._retention_step_host is not None:
                 self._retention_step_host += 1

@@ -283,3 +283,25 @@ def test_eval_and_disabled_run_exact():
 def _routing(layer, x):
     r = layer.deepspeed_moe.gate(x)
     return r.topk_index, r.counts
+
+
+def test_reentrant_checkpointing_samples_as_without_it():
+    """Activation checkpointing's no-grad forward must not advance the sampling step: the recomputed
+    forward then selects the same pairs, and the gradients are those of the plain run, bit for bit."""
+    from torch.utils.checkpoint import checkpoint
+    layer, x = make_layer(5)
+    configure(layer, retention_ratio=0.5)
+    weight = torch.linspace(-1, 1, x.numel(), dtype=x.dtype).view_as(x)
+    runs = []
+    for use_checkpoint in (False, True):
+        layer.zero_grad()
+        layer.retention_step.fill_(7)
+        layer._retention_step_host = None
+        xi = x.clone().requires_grad_(True)
+        fwd = (lambda t: layer(t)[0])
+        out = checkpoint(fwd, xi, use_reentrant=True) if use_checkpoint else fwd(xi)
+        (out * weight).sum().backward()
+        runs.append((int(layer.retention_step), xi.grad, [p.grad.clone() for p in layer.parameters()]))
+    (step_plain, dx_plain, g_plain), (step_ckpt, dx_ckpt, g_ckpt) = runs
+    assert step_plain == step_ckpt == 8
+    assert torch.equal(dx_plain, dx_ckpt) and all(torch.equal(a, b) for a, b in zip(g_plain, g_ckpt))
