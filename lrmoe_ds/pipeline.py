@@ -59,10 +59,9 @@ class RoutedMLP(torch.autograd.Function):
         d_weight = None
         if want_router and spec.router_grad == "exact":
             d_weight = ops.unpermute_weight_grad(y_src, plan.row_of_pair, dout).to(topk_weight.dtype)
-        del y_src
 
         kept = kept_pairs = None
-        splits, row_weight = plan, weight_of_row
+        splits, gate, row_weight = plan, weight_of_row, weight_of_row   # gate g_p and dy's weight, per send row
         if spec.shares is not None:
             rank = _rank(disp)
             dout_norm = _row_norms(dout) if spec.metric == "grad_norm" else None
@@ -73,9 +72,9 @@ class RoutedMLP(torch.autograd.Function):
             kept, scale, _ = select_retained(metric, sizes, quotas, spec.selection, spec.seed,
                                              num_kept=int(spec.shares[rank].sum()))
             kept_pairs = plan.order.index_select(0, kept)
-            row_weight = weight_of_row.index_select(0, kept)
+            gate = row_weight = weight_of_row.index_select(0, kept)
             if spec.rescale:
-                row_weight = row_weight * scale
+                row_weight = gate * scale
             src = src.index_select(0, kept)
             splits = disp.compact(spec.shares, dout.device)
             if spec.record is not None:
@@ -97,7 +96,6 @@ class RoutedMLP(torch.autograd.Function):
             # <y_p, dy_p> = g_p w_p <y_p, dout_t>: divided by g_p, the retained pair's weighted gate gradient
             # (g_p = 0 only where the gate underflowed, and then the router's own derivative vanishes too)
             dot = disp.from_experts(y_dot_dy.unsqueeze(1), splits).squeeze(1).to(topk_weight.dtype)
-            gate = weight_of_row if kept is None else weight_of_row.index_select(0, kept)
             pairs = plan.order if kept is None else kept_pairs
             d_flat = torch.zeros(T * K, dtype=topk_weight.dtype, device=dout.device)
             d_weight = d_flat.index_copy_(0, pairs, dot / gate.clamp_min(torch.finfo(gate.dtype).tiny)).view(T, K)
@@ -112,4 +110,3 @@ class RoutedMLP(torch.autograd.Function):
         ones = torch.ones((T, K), dtype=dout.dtype, device=dout.device)
         dx = ops.unpermute(dx_src, row_of_pair, ones)
         return (dx, d_weight, None, None, None, None, None, *dw1, *dw2)
-
