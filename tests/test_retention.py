@@ -4,6 +4,7 @@ activation policies, both router gradients, what the forward keeps and what the 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 from torch.utils._pytree import tree_leaves
 
 import lrmoe_ds
@@ -96,13 +97,20 @@ def make_layer(seed=0, **kw):
     return layer, x
 
 
-def layer_grads(layer, x, step=0):
+def probe_loss(out):
+    """A fixed linear functional of the layer output: its gradient is a known, non-uniform dout."""
+    return (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum()
+
+
+def layer_grads(layer, x, step=0, checkpointed=False):
+    """(dx, parameter gradients) of probe_loss at sampling step ``step``; ``checkpointed`` runs the layer
+    under reentrant activation checkpointing."""
     layer.zero_grad()
     layer.retention_step.fill_(step)
     layer._retention_step_host = None
     xi = x.clone().requires_grad_(True)
-    out, _, _ = layer(xi)
-    (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+    out = checkpoint(lambda t: layer(t)[0], xi, use_reentrant=True) if checkpointed else layer(xi)[0]
+    probe_loss(out).backward()
     return xi.grad, [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in layer.parameters()]
 
 
@@ -249,7 +257,7 @@ class _AllocatedBytes(TorchDispatchMode):
 
 def backward_bytes(layer, x):
     out, _, _ = layer(x.clone().requires_grad_(True))
-    loss = (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum()
+    loss = probe_loss(out)
     with _AllocatedBytes() as mode:
         loss.backward()
     return mode.total
@@ -288,20 +296,10 @@ def _routing(layer, x):
 def test_reentrant_checkpointing_samples_as_without_it():
     """Activation checkpointing's no-grad forward must not advance the sampling step: the recomputed
     forward then selects the same pairs, and the gradients are those of the plain run, bit for bit."""
-    from torch.utils.checkpoint import checkpoint
     layer, x = make_layer(5)
     configure(layer, retention_ratio=0.5)
-    weight = torch.linspace(-1, 1, x.numel(), dtype=x.dtype).view_as(x)
-    runs = []
-    for use_checkpoint in (False, True):
-        layer.zero_grad()
-        layer.retention_step.fill_(7)
-        layer._retention_step_host = None
-        xi = x.clone().requires_grad_(True)
-        fwd = (lambda t: layer(t)[0])
-        out = checkpoint(fwd, xi, use_reentrant=True) if use_checkpoint else fwd(xi)
-        (out * weight).sum().backward()
-        runs.append((int(layer.retention_step), xi.grad, [p.grad.clone() for p in layer.parameters()]))
-    (step_plain, dx_plain, g_plain), (step_ckpt, dx_ckpt, g_ckpt) = runs
-    assert step_plain == step_ckpt == 8
+    dx_plain, g_plain = layer_grads(layer, x, step=7)
+    step_plain = int(layer.retention_step)
+    dx_ckpt, g_ckpt = layer_grads(layer, x, step=7, checkpointed=True)
+    assert step_plain == int(layer.retention_step) == 8
     assert torch.equal(dx_plain, dx_ckpt) and all(torch.equal(a, b) for a, b in zip(g_plain, g_ckpt))
