@@ -48,19 +48,44 @@ def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def bench_case(name, H, F, E, k, T, skew, gen):
+def weight_layouts(E, shapes):
+    """The expert weights of both projections three ways: separately allocated (each expert its own
+    tensor, as after module.to(device)); views of one flat buffer in DeepSpeed ZeRO's order (expert 0's
+    up and down weights, then expert 1's, ...: what ZeRO-1/2 and the bf16 optimizer make of the
+    parameters); views of one stacked [E, N, K] tensor per projection (what torch._grouped_mm reads).
+    shapes: [(N, K)] per projection -> {layout: [list of E tensors per projection]}."""
+    separate = [[torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5 for _ in range(E)]
+                for N, K in shapes]
+    per_expert = sum(N * K for N, K in shapes)
+    flat = torch.empty(E * per_expert, device="cuda", dtype=torch.bfloat16)
+    flat_views = [[None] * E for _ in shapes]
+    for e in range(E):
+        off = e * per_expert
+        for j, (N, K) in enumerate(shapes):
+            flat_views[j][e] = flat[off:off + N * K].view(N, K)
+            flat_views[j][e].copy_(separate[j][e])
+            off += N * K
+    stacked = [list(torch.stack(ws).unbind(0)) for ws in separate]
+    return {"separate": separate, "flat": flat_views, "stacked": stacked}
+
+
+def bench_case(name, H, F, E, k, T, skew, gen, variants=True):
     sizes = routed_sizes(T, k, E, skew, gen)
     M = int(sizes.sum())
     sizes_d = sizes.cuda()
     offs = torch.cumsum(sizes, 0).to(torch.int32).cuda()
     bounds = [0] + torch.cumsum(sizes, 0).tolist()
     rows = []
-    for proj, (N, K) in (("up", (2 * F, H)), ("down", (H, F))):
-        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5 for _ in range(E)]
+    shapes = [(2 * F, H), (H, F)]  # up, down
+    layouts = weight_layouts(E, shapes)
+    for j, (proj, (N, K)) in enumerate(zip(("up", "down"), shapes)):
+        ws = layouts["separate"][j]
         W = torch.stack(ws)  # [E, N, K] for torch._grouped_mm
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-        grads = [torch.empty(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(E)]
+        grads = {"separate": [torch.empty(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(E)],
+                 "stacked": list(torch.empty(E, N, K, device="cuda", dtype=torch.bfloat16).unbind(0))}
+        grads["flat"] = grads["stacked"]  # our own output buffer: one allocation either way
         flops = 2.0 * M * N * K
 
         def loop_fwd():
@@ -77,19 +102,24 @@ def bench_case(name, H, F, E, k, T, skew, gen):
 
         def loop_wgrad():
             for g in range(E):
-                torch.matmul(dy[bounds[g]:bounds[g + 1]].t(), x[bounds[g]:bounds[g + 1]], out=grads[g])
-            return grads
+                torch.matmul(dy[bounds[g]:bounds[g + 1]].t(), x[bounds[g]:bounds[g + 1]], out=grads["separate"][g])
+            return grads["separate"]
+
+        def ours(pname, layout="separate"):
+            w = layouts[layout][j]
+            if pname == "fwd":
+                return lambda: ops.grouped_linear(x, w, sizes_d, backend="cuda")
+            if pname == "dgrad":
+                return lambda: ops.grouped_linear_dgrad(dy, w, sizes_d, backend="cuda")
+            return lambda: ops.grouped_linear_wgrad(dy, x, sizes_d, out=grads[layout], backend="cuda")
 
         passes = {
-            "fwd": (lambda: ops.grouped_linear(x, ws, sizes_d, backend="cuda"),
-                    lambda: torch._grouped_mm(x, W.transpose(-2, -1), offs=offs), loop_fwd),
-            "dgrad": (lambda: ops.grouped_linear_dgrad(dy, ws, sizes_d, backend="cuda"),
-                      lambda: torch._grouped_mm(dy, W, offs=offs), loop_dgrad),
-            "wgrad": (lambda: ops.grouped_linear_wgrad(dy, x, sizes_d, out=grads, backend="cuda"),
-                      lambda: torch._grouped_mm(dy.t(), x, offs=offs), loop_wgrad),
+            "fwd": (lambda: torch._grouped_mm(x, W.transpose(-2, -1), offs=offs), loop_fwd),
+            "dgrad": (lambda: torch._grouped_mm(dy, W, offs=offs), loop_dgrad),
+            "wgrad": (lambda: torch._grouped_mm(dy.t(), x, offs=offs), loop_wgrad),
         }
-        for pname, (ours, theirs, loop) in passes.items():
-            a = ours()
+        for pname, (theirs, loop) in passes.items():
+            a = ours(pname)()
             a = torch.stack(a) if isinstance(a, list) else a
             try:
                 b = theirs()
@@ -98,19 +128,15 @@ def bench_case(name, H, F, E, k, T, skew, gen):
             except Exception as exc:  # noqa: BLE001 - a layout torch does not take is recorded, not fatal
                 err, t_torch = float("nan"), float("nan")
                 print(f"torch._grouped_mm failed on {name} {proj} {pname}: {exc}")
-            variants = time_variants(ours)
-            t_ours = variants["auto-m1"]
-            best = min(variants, key=variants.get)
+            timed = time_variants(ours(pname)) if variants else {"auto-m1": median_ms(ours(pname))}
+            t_ours = timed["auto-m1"]
+            best = min(timed, key=timed.get)
             t_loop = median_ms(loop, reps=5, warmup=1, inner=1)
-            if pname == "fwd":
-                views = list(W.unbind(0))
-                t_stacked = median_ms(lambda: ops.grouped_linear(x, views, sizes_d, backend="cuda"))
-            else:
-                t_stacked = float("nan")
+            t_flat, t_stacked = median_ms(ours(pname, "flat")), median_ms(ours(pname, "stacked"))
             rows.append((name, T, skew, proj, pname, M, N, K, t_ours, flops / t_ours / 1e9, t_torch,
                          flops / t_torch / 1e9, t_loop, flops / t_loop / 1e9, t_torch / t_ours, err,
-                         best, t_torch / variants[best], t_stacked))
-        del ws, W, x, dy, grads
+                         best, t_torch / timed[best], t_flat, t_torch / t_flat, t_stacked, t_torch / t_stacked))
+        del W, x, dy, grads
     return rows
 
 
@@ -118,6 +144,9 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
     p.add_argument("--tokens", default="8192,16384")
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--routing", default="uniform,zipf")
+    p.add_argument("--no_variants", action="store_true", help="time the default scheduler only")
     args = p.parse_args()
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
@@ -126,29 +155,36 @@ def main():
     dense = 2 * 8192 ** 3 / median_ms(lambda: a @ b) / 1e9
     del a, b
     rows = []
-    for name, (H, F, E, k) in SHAPES.items():
+    for name in args.shapes.split(","):
+        H, F, E, k = SHAPES[name]
         for T in [int(t) for t in args.tokens.split(",")]:
-            for skew in ("uniform", "zipf"):
-                rows.extend(bench_case(name, H, F, E, k, T, skew, gen))
+            for skew in args.routing.split(","):
+                rows.extend(bench_case(name, H, F, E, k, T, skew, gen, variants=not args.no_variants))
     lines = [f"# Segmented GEMM on {torch.cuda.get_device_name()} (torch {torch.__version__})", "",
              "Command: `python3 benchmarks/bench_grouped_gemm.py` (bf16, fp32 accumulation; median of 10 CUDA-event "
              "timings of 5 back-to-back calls each; 5 single calls for the loop). Variants: wgrad kernel coop "
-             "(128x256x64) or pingpong (128x128x64) (LRMOE_GEMM_CONFIG; forward and dgrad are always coop), raster order m|n and swizzle 1|2 "
-             "(LRMOE_GEMM_RASTER, LRMOE_GEMM_SWIZZLE); the ratio column is the default, auto-m1 (ping-pong for wgrad, "
-             "cooperative otherwise). 'stacked W': our forward with the weights as views of one [E, N, K] tensor, as "
-             "torch._grouped_mm reads them", "",
+             "(128x256x64) or pingpong (128x128x64) (LRMOE_GEMM_CONFIG; forward and dgrad are always coop), raster "
+             "order m|n and swizzle 1|2 (LRMOE_GEMM_RASTER, LRMOE_GEMM_SWIZZLE); the ratio column is the default, "
+             "auto-m1 (ping-pong for wgrad, cooperative otherwise), with each expert's weights allocated separately "
+             "(as after module.to(device)), and for wgrad a separate output tensor per expert. 'flat W': the "
+             "weights as views of one buffer in DeepSpeed ZeRO's order (expert 0's up and down weights, then expert "
+             "1's...), as ZeRO-1/2 and the bf16 optimizer leave the parameters; 'stacked W': views of one [E, N, K] "
+             "tensor per projection, as torch._grouped_mm reads them. For wgrad both mean the gradients are views "
+             "of one [E, N, K] output buffer.", "",
              f"Dense bf16 ceiling measured in the same run (8192^3 matmul): {dense:.0f} TFLOP/s.", "",
              "| shape | tokens | routing | proj | pass | M | N | K | ours ms | ours TFLOP/s | _grouped_mm ms | "
              "_grouped_mm TFLOP/s | cuBLAS loop ms | loop TFLOP/s | ratio (torch/ours) | rel. diff vs torch | "
-             "best variant | its ratio | stacked W ms |",
-             "| --- " * 19 + "|"]
+             "best variant | its ratio | flat W ms | flat ratio | stacked W ms | stacked ratio |",
+             "| --- " * 22 + "|"]
     for r in rows:
         lines.append("| " + " | ".join([r[0], str(r[1]), r[2], r[3], r[4], str(r[5]), str(r[6]), str(r[7]),
                                         f"{r[8]:.3f}", f"{r[9]:.0f}", f"{r[10]:.3f}", f"{r[11]:.0f}", f"{r[12]:.3f}",
-                                        f"{r[13]:.0f}", f"{r[14]:.2f}", f"{r[15]:.1e}", r[16], f"{r[17]:.2f}", f"{r[18]:.3f}"]) + " |")
+                                        f"{r[13]:.0f}", f"{r[14]:.2f}", f"{r[15]:.1e}", r[16], f"{r[17]:.2f}",
+                                        f"{r[18]:.3f}", f"{r[19]:.2f}", f"{r[20]:.3f}", f"{r[21]:.2f}"]) + " |")
     worst = min(r[14] for r in rows)
     up = [r[9] for r in rows if r[3] == "up" and r[4] == "fwd"]
-    lines += ["", f"Worst ratio: {worst:.2f}. Up-projection forward: {min(up):.0f}-{max(up):.0f} TFLOP/s "
+    lines += ["", f"Worst ratio: {worst:.2f} (flat W: {min(r[19] for r in rows):.2f}, stacked W: "
+              f"{min(r[21] for r in rows):.2f}). Up-projection forward: {min(up):.0f}-{max(up):.0f} TFLOP/s "
               f"({100 * min(up) / dense:.0f}-{100 * max(up) / dense:.0f}% of the measured dense rate)."]
     text = "\n".join(lines)
     print(text)

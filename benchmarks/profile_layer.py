@@ -1,18 +1,43 @@
-"""Where one MoE layer's forward + backward spends its GPU time: torch.profiler's kernel table (CUDA time,
-summed over a few steps) for the anchor, LRMoE exact and LRMoE with retention, one shape and token count.
+"""Where one MoE layer's forward + backward spends its time: torch.profiler's tables (kernels by GPU
+time, operators by host time, summed over a few steps) and, per layer, the wall time per step against
+the time the GPU was busy (the union of its kernels, copies and memsets): a layer whose GPU is busy
+for much less than the wall time is bound by the host.
 
     python3 benchmarks/profile_layer.py --shape glm-4.5-air --tokens 16384 --ratio 0.5 > profile.txt
+    python3 benchmarks/profile_layer.py --shape qwen3-30b-a3b --tokens 8192 --policies stash recompute \
+        --trace /tmp/traces     # also keep each layer's Chrome trace (.json.gz) for chrome://tracing
 """
 import argparse
+import gzip
+import json
 import os
+import shutil
 import socket
+import tempfile
+import time
 
 import deepspeed
 import torch
-from bench_layer import SHAPES, build
+from bench_layer import SHAPES, build, to_device_flat
 from torch.profiler import ProfilerActivity, profile
 
 import lrmoe_ds
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def gpu_busy_us(trace_path):
+    """The union of the GPU's kernel, copy and memset intervals in a Chrome trace, in microseconds."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES and e.get("dur", 0) > 0)
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return busy
 
 
 def main():
@@ -20,9 +45,10 @@ def main():
     p.add_argument("--shape", choices=list(SHAPES), default="glm-4.5-air")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--ratio", type=float, default=0.5)
-    p.add_argument("--policy", choices=["stash", "recompute"], default="stash")
+    p.add_argument("--policies", nargs="+", choices=["stash", "recompute"], default=["stash"])
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--rows", type=int, default=25, help="kernels listed per layer")
+    p.add_argument("--rows", type=int, default=25, help="kernels and operators listed per layer")
+    p.add_argument("--trace", default=None, help="directory to keep each layer's Chrome trace in")
     args = p.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -33,30 +59,46 @@ def main():
     torch.manual_seed(args.tokens)
     x = torch.randn(args.tokens, H, device="cuda", dtype=torch.bfloat16)
     grad = torch.randn_like(x)
-    cases = [("anchor", "anchor", None), ("LRMoE exact", "lrmoe", {}),
-             (f"LRMoE retention {args.ratio:g}, {args.policy}", "lrmoe",
-              {"enabled": True, "retention_ratio": args.ratio, "policy": args.policy})]
+    cases = [("anchor", "anchor", None), ("LRMoE exact", "lrmoe", {})]
+    cases += [(f"LRMoE retention {args.ratio:g}, {policy}", "lrmoe",
+               {"enabled": True, "retention_ratio": args.ratio, "policy": policy}) for policy in args.policies]
+    tmp = tempfile.mkdtemp()
     for name, kind, block in cases:
         torch.manual_seed(0)
-        layer = build(kind, H, Fh, E, k).to("cuda", torch.bfloat16)
+        layer = to_device_flat(build(kind, H, Fh, E, k).to(torch.bfloat16), "cuda")
         if block is not None:
             layer.configure(lrmoe_ds.LRMoEConfig(**block))
 
-        def step():
+        def step(layer=layer):
             layer.zero_grad(set_to_none=True)
             layer(x.detach().requires_grad_(True))[0].backward(grad)
         for _ in range(2):
             step()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
             for _ in range(args.steps):
                 step()
             torch.cuda.synchronize()
+            wall_ms = (time.perf_counter() - start) * 1e3 / args.steps
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        busy_ms = gpu_busy_us(path) / 1e3 / args.steps
         print(f"## {name}: {args.shape}, {args.tokens} tokens, {args.steps} steps", flush=True)
+        print(f"\nper step, under the profiler: wall {wall_ms:.2f} ms, GPU busy {busy_ms:.2f} ms "
+              f"({100 * busy_ms / wall_ms:.0f}%)\n")
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=args.rows,
-                                        max_name_column_width=70))
-        del layer
+                                        max_name_column_width=90))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows,
+                                        max_name_column_width=90), flush=True)
+        if args.trace:
+            os.makedirs(args.trace, exist_ok=True)
+            slug = name.lower().replace(" ", "_").replace(",", "").replace(".", "")
+            with open(path, "rb") as src, gzip.open(os.path.join(args.trace, f"{slug}.json.gz"), "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        del layer, prof
         torch.cuda.empty_cache()
+    shutil.rmtree(tmp)
 
 
 if __name__ == "__main__":
