@@ -70,11 +70,16 @@ bool grouped_gemm_op(int64_t pass_id, const at::Tensor& a, const c10::optional<a
   }
   LRMOE_CHECK(a.is_contiguous(), op, ": input must be contiguous");
   std::vector<const void*> ptrs(G);
+  std::vector<at::Tensor> copies;  // contiguous copies of strided weights, alive until the GEMM is queued
   for (int64_t g = 0; g < G; ++g) {
-    const at::Tensor& t = group_tensors[g];
-    check_matrix(t, N, K, pass == GemmPass::kWgrad ? group_tensors[0].scalar_type() : a.scalar_type(), a,
+    const at::Tensor* t = &group_tensors[g];
+    if (pass != GemmPass::kWgrad && !t->is_contiguous()) {  // gradients are written: they must be contiguous
+      copies.push_back(t->contiguous());
+      t = &copies.back();
+    }
+    check_matrix(*t, N, K, pass == GemmPass::kWgrad ? group_tensors[0].scalar_type() : a.scalar_type(), a,
                  opn + (pass == GemmPass::kWgrad ? ": gradient " : ": weight ") + std::to_string(g));
-    ptrs[g] = t.data_ptr();
+    ptrs[g] = t->data_ptr();
   }
   LRMOE_CHECK(M < (int64_t(1) << 31) && N < (int64_t(1) << 31) && K < (int64_t(1) << 31), op, ": sizes must be < 2^31");
   const c10::cuda::CUDAGuard guard(a.device());
