@@ -9,9 +9,26 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.module import (register_module_module_registration_hook,
+                                     register_module_parameter_registration_hook)
 
 from lrmoe_ds import ops
 from lrmoe_ds.ops import reference
+
+# Parameters or submodules registered anywhere in the process so far. GroupedExperts caches its
+# projection lists (collecting 2 x 128 weights through nn.Module attribute lookups costs about a
+# millisecond of host time per forward) and rebuilds them when this count has moved: a weight or an
+# expert replaced by assignment always passes through these registration hooks.
+_registrations = 0
+
+
+def _count_registration(*args):
+    global _registrations
+    _registrations += 1
+
+
+register_module_parameter_registration_hook(_count_registration)
+register_module_module_registration_hook(_count_registration)
 
 
 class SwiGLUExpert(nn.Module):
@@ -147,6 +164,7 @@ class GroupedExperts(nn.Module):
         self.deepspeed_experts = nn.ModuleList([copy.deepcopy(expert) for _ in range(num_local_experts)])
         self.num_local_experts = num_local_experts
         self.grouped = type(expert) in EXPERT_TYPES.values()
+        self._projections = None
         for i, e in enumerate(self.deepspeed_experts):
             if init_seed is not None:
                 _init_linears(e, torch.Generator().manual_seed(init_seed + first_global_expert + i))
@@ -157,10 +175,14 @@ class GroupedExperts(nn.Module):
                 p.group_name = expert_group_name
 
     def projections(self):
-        """(w1 list, w2 list, expert type: its ``act`` and ``act_backward``) of the built-in experts, for
-        the grouped path."""
-        experts = self.deepspeed_experts
-        return [e.projections()[0] for e in experts], [e.projections()[1] for e in experts], type(experts[0])
+        """(w1 tuple, w2 tuple, expert type: its ``act`` and ``act_backward``) of the built-in experts, for
+        the grouped path; cached until a parameter or module is registered anywhere."""
+        if self._projections is None or self._projections[0] != _registrations:
+            experts = self.deepspeed_experts
+            pairs = [e.projections() for e in experts]
+            self._projections = (_registrations, tuple(p[0] for p in pairs), tuple(p[1] for p in pairs),
+                                 type(experts[0]))
+        return self._projections[1:]
 
     def forward(self, x: torch.Tensor, group_sizes_host: Sequence[int]) -> torch.Tensor:
         """Any expert module, in a per-expert loop: x [M, H] rows grouped by local expert (exact)."""

@@ -144,3 +144,28 @@ def test_no_tokens():
     out, aux, counts = layer(x)
     out.sum().backward()
     assert out.shape == (0, H) and float(aux) == 0.0 and counts.sum() == 0 and x.grad.shape == (0, H)
+
+
+def test_replaced_expert_weight_is_used():
+    # the layer caches its experts' weight lists: a weight or an expert replaced by assignment must be seen
+    layer, x = make_case("softmax", 2, "swiglu", seed=3, skewed=False)
+    before = layer(x)[0]
+    experts = layer.deepspeed_moe.experts.deepspeed_experts
+    experts[1].down_proj.weight = torch.nn.Parameter(torch.zeros_like(experts[1].down_proj.weight))
+    experts[2] = lrmoe_ds.SwiGLUExpert(H, F).double()
+    torch.nn.init.zeros_(experts[2].down_proj.weight)
+    after = layer(x)[0]
+    w1, w2 = expert_weights(layer)
+    assert w2[1] is experts[1].down_proj.weight and w2[2] is experts[2].down_proj.weight
+    cached_w1, cached_w2, _ = layer.deepspeed_moe.experts.projections()
+    assert all(a is b for a, b in zip(cached_w1 + cached_w2, w1 + w2))
+    assert not torch.equal(before, after)
+
+
+def test_expert_weight_changed_before_backward_is_an_error():
+    layer, x = make_case("softmax", 2, "swiglu", seed=4, skewed=False)
+    out = layer(x.requires_grad_(True))[0]
+    with torch.no_grad():
+        layer.deepspeed_moe.experts.deepspeed_experts[0].gate_up_proj.weight.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
