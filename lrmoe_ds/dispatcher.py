@@ -33,26 +33,62 @@ def _inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
 
 
+class HostCopy:
+    """The host copy of a small device tensor, started at once (pinned memory, non-blocking, right after
+    the kernel that makes it) and waited for only where it is first read: work queued in between is
+    not waited for, and a caller that never reads it never synchronises."""
+
+    def __init__(self, t: torch.Tensor):
+        self._event = None
+        if t.is_cuda:
+            self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._host.copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = t
+
+    def get(self) -> torch.Tensor:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._host
+
+
 @dataclass
 class DispatchPlan:
     """Where every pair goes; made once in the forward and used by dispatch, combine and backward.
 
     order [P]: send row -> pair (pairs grouped by expert, hence by destination rank).
     row_of_pair [T, K]: pair -> send row.
-    send_splits / recv_splits: rows to / from each EP rank (host ints).
+    send_splits / recv_splits: rows to / from each EP rank (host ints; R > 1 only).
     regroup [M] / regroup_inverse [M]: received row order -> grouped by local expert (None if R == 1).
-    group_sizes [E_l] (device) and group_sizes_host: rows per local expert.
-    all_counts [R, E] (host): pairs from each EP rank to each expert; n_e = all_counts.sum(0).
+    group_sizes [E_l] (device): rows per local expert.
+    host_counts: HostCopy of all_counts [R, E], the pairs from each EP rank to each expert
+        (n_e = all_counts.sum(0)). With R > 1 it was read at once (the all-to-all needs it); on one rank
+        it is read only where :attr:`all_counts` or :attr:`group_sizes_host` is asked for.
     """
     order: torch.Tensor
     row_of_pair: torch.Tensor
-    send_splits: List[int]
-    recv_splits: List[int]
+    send_splits: Optional[List[int]]
+    recv_splits: Optional[List[int]]
     regroup: Optional[torch.Tensor]
     regroup_inverse: Optional[torch.Tensor]
     group_sizes: torch.Tensor
-    group_sizes_host: List[int]
-    all_counts: torch.Tensor
+    host_counts: HostCopy
+
+    @property
+    def all_counts(self) -> torch.Tensor:
+        return self.host_counts.get()
+
+    @property
+    def group_sizes_host(self) -> List[int]:
+        """Rows per local expert, host ints (a host read on one rank; known already with R > 1)."""
+        if self.regroup is None:
+            return self.all_counts[0].tolist()
+        return self._group_sizes_host
+
+    _group_sizes_host: Optional[List[int]] = None
 
 
 @dataclass
@@ -148,11 +184,9 @@ class AllToAllDispatcher:
         _, order, _ = ops.routing_plan(topk_index.reshape(-1), E)
         row_of_pair = _inverse_permutation(order).view(topk_index.shape)
         if R == 1:
-            # host read: the reference ops loop over groups and the planner sets quotas from n_e
-            counts_host = counts.cpu()
-            sizes = counts_host.tolist()
-            return DispatchPlan(order, row_of_pair, [sum(sizes)], [sum(sizes)], None, None, counts, sizes,
-                                counts_host.unsqueeze(0))
+            # no collective, so no host read here: the exact CUDA path never waits for the counts; the
+            # reference ops' loops and the retention quotas (in the backward) read them
+            return DispatchPlan(order, row_of_pair, None, None, None, None, counts, HostCopy(counts.view(1, E)))
         if self.ep_group is None:
             raise RuntimeError("ep_size > 1 but the layer has no expert-parallel group: build the model's "
                                "engine with lrmoe_ds.initialize (or deepspeed.initialize) first")
@@ -169,7 +203,7 @@ class AllToAllDispatcher:
         device = topk_index.device
         regroup, regroup_inverse = self._regroup_for(mine, device)
         return DispatchPlan(order, row_of_pair, send_splits, recv_splits, regroup, regroup_inverse,
-                            group_sizes_host.to(device), group_sizes_host.tolist(), all_counts)
+                            group_sizes_host.to(device), HostCopy(all_counts), group_sizes_host.tolist())
 
     def _regroup_for(self, counts: torch.Tensor, device):
         """counts [R, E_l] host (rows from each rank to each local expert) -> received order -> grouped."""

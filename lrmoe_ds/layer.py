@@ -17,7 +17,7 @@ from lrmoe_ds import ops
 from lrmoe_ds.config import LRMoEConfig
 from lrmoe_ds.dispatcher import AllToAllDispatcher, DispatchPlan
 from lrmoe_ds.experts import EXPERT_TYPES, GroupedExperts
-from lrmoe_ds.pipeline import RoutedMLP
+from lrmoe_ds.pipeline import RoutedMLP, apply_fast
 from lrmoe_ds.quotas import MemoryPlan, RetentionStats, expert_row_bytes, plan_quotas, rank_shares
 from lrmoe_ds.retention import BackwardSpec
 from lrmoe_ds.router import Router
@@ -130,31 +130,37 @@ class LRMoE(MoE):
         # "auto" starts from stash; the memory planner switches a layer to recompute if it must
         self.memory_plan = MemoryPlan("stash" if config.policy == "auto" else config.policy)
 
-    def _backward_spec(self, plan: DispatchPlan, dtype: torch.dtype) -> BackwardSpec:
-        """Quotas and shares from the global counts (the same on every rank), and the backward's settings."""
+    def _backward_spec(self, plan: DispatchPlan, dtype: torch.dtype):
+        """(the backward's settings, a function that plans its quotas and shares or None): the plan comes
+        from the global counts (the same on every rank), so on one rank it makes the layer's one host
+        read; the caller runs it once the forward's kernels are queued (see forward)."""
         cfg = self.lrmoe_config
         if not (cfg.enabled and self.training and torch.is_grad_enabled()):
-            return BackwardSpec()
-        n = plan.all_counts.sum(0)
-        quotas = plan_quotas(n, cfg.retention_ratio, self.ep_size, cfg.floor, cfg.balance_factor,
-                             self.memory_plan.max_rows_per_rank)
-        exact = torch.equal(quotas, n)
-        policy = self.memory_plan.policy
+            return BackwardSpec(), None
+        policy, max_rows = self.memory_plan.policy, self.memory_plan.max_rows_per_rank
         expert = self.deepspeed_moe.experts.deepspeed_experts[0]
         ffn = expert.projections()[1].shape[1]  # the second projection is [H, F]
         stash_bytes, backward_bytes = expert_row_bytes(self.hidden_size, ffn, expert.activation,
                                                        torch.finfo(dtype).bits // 8)
-        R = self.ep_size
-        self.last_stats = RetentionStats(n, quotas, n.view(R, -1).sum(1), quotas.view(R, -1).sum(1), policy,
-                                         stash_bytes, backward_bytes)
+
+        def plan_shares() -> Optional[torch.Tensor]:
+            n = plan.all_counts.sum(0)
+            quotas = plan_quotas(n, cfg.retention_ratio, self.ep_size, cfg.floor, cfg.balance_factor, max_rows)
+            R = self.ep_size
+            self.last_stats = RetentionStats(n, quotas, n.view(R, -1).sum(1), quotas.view(R, -1).sum(1), policy,
+                                             stash_bytes, backward_bytes)
+            return None if torch.equal(quotas, n) else rank_shares(quotas, plan.all_counts)
+
         if self._retention_step_host is None:
             self._retention_step_host = int(self.retention_step)
         rank = dist.get_rank() if dist.is_initialized() else 0  # every rank samples its own pairs
         key = f"{cfg.seed}/{self.layer_number}/{self._retention_step_host}/{rank}".encode()
         seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
         self.last_selection = {} if self.keep_last_selection else None
-        return BackwardSpec(policy, cfg.router_grad, None if exact else rank_shares(quotas, plan.all_counts),
-                            cfg.metric, cfg.selection, cfg.rescale, seed, self.last_selection)
+        # ratio 1 without a row cap keeps every pair (the floor only raises quotas): x's norms are not needed
+        may_drop = cfg.retention_ratio < 1.0 or max_rows is not None
+        return BackwardSpec(policy, cfg.router_grad, None, may_drop, cfg.metric, cfg.selection, cfg.rescale, seed,
+                            self.last_selection), plan_shares
 
     def forward(self, hidden_states: torch.Tensor,
                 used_token: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -168,9 +174,14 @@ class LRMoE(MoE):
         routing = moe.gate(x)
         plan = moe.dispatcher.plan(routing.topk_index, routing.counts)
         if moe.experts.grouped:
-            spec = self._backward_spec(plan, x.dtype)
+            spec, plan_shares = self._backward_spec(plan, x.dtype)
             w1, w2, expert_type = moe.experts.projections()
-            out = RoutedMLP.apply(x, routing.topk_weight, plan, moe.dispatcher, expert_type, spec, len(w1), *w1, *w2)
+            out = apply_fast(RoutedMLP, x, routing.topk_weight, plan, moe.dispatcher, expert_type, spec, len(w1),
+                             *w1, *w2)
+            if plan_shares is not None:
+                # Now that the forward's kernels are queued, the counts' early copy (one rank) has landed
+                # and the host plans the backward's quotas while the GPU runs the forward.
+                spec.shares = plan_shares()
         else:
             rows = moe.dispatcher.dispatch(x, plan)
             out = moe.dispatcher.combine(moe.experts(rows, plan.group_sizes_host), routing.topk_weight, plan)

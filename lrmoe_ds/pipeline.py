@@ -26,6 +26,19 @@ def _row_norms(t: torch.Tensor) -> torch.Tensor:
     return t.norm(dim=1, dtype=torch.promote_types(t.dtype, torch.float32))
 
 
+def apply_fast(fn, *args):
+    """``fn.apply(*args)`` without Function.apply's Python pass over the arguments (functorch's unwrapping
+    of dead wrappers, about 1 us of host time per argument; RoutedMLP takes 2 E + 7) where no functorch
+    transform is active, as Function.apply itself then does. Under a transform: ``fn.apply``."""
+    if torch._C._are_functorch_transforms_active():
+        return fn.apply(*args)
+    return super(torch.autograd.Function, fn).apply(*args)
+
+
+def _version_sum(tensors) -> int:
+    return sum(t._version for t in tensors)
+
+
 class RoutedMLP(torch.autograd.Function):
     """out [T, H] = sum_k topk_weight[t, k] * MLP_{e(t,k)}(x_t), over an expert-parallel group."""
 
@@ -40,17 +53,23 @@ class RoutedMLP(torch.autograd.Function):
         del y
         out = ops.unpermute(y_src, plan.row_of_pair, topk_weight)
         stash = spec.policy == "stash"
-        x_norm = _row_norms(x) if spec.shares is not None and spec.metric == "grad_norm" else None
+        x_norm = _row_norms(x) if spec.may_drop and spec.metric == "grad_norm" else None
         ctx.save_for_backward(None if stash else x, rows if stash else None, h if stash else None,
-                              y_src if spec.router_grad == "exact" else None, topk_weight, x_norm, *weights)
-        ctx.plan, ctx.dispatcher, ctx.expert_type, ctx.spec, ctx.n_w1 = plan, dispatcher, expert_type, spec, n_w1
+                              y_src if spec.router_grad == "exact" else None, topk_weight, x_norm)
+        # The weights are leaf parameters: kept on ctx, not saved, which spares 2 E saved-tensor packs and
+        # unpacks (host time) and keeps saved-tensor hooks (offload) to the activations. Their versions
+        # are summed instead, so that a weight changed in place before the backward is still an error.
+        ctx.w1, ctx.w2, ctx.weights_version = w1, w2, _version_sum(weights)
+        ctx.plan, ctx.dispatcher, ctx.expert_type, ctx.spec = plan, dispatcher, expert_type, spec
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        x, rows, h, y_src, topk_weight, x_norm, *weights = ctx.saved_tensors
-        plan, disp, spec = ctx.plan, ctx.dispatcher, ctx.spec
-        w1, w2 = weights[:ctx.n_w1], weights[ctx.n_w1:]
+        x, rows, h, y_src, topk_weight, x_norm = ctx.saved_tensors
+        plan, disp, spec, w1, w2 = ctx.plan, ctx.dispatcher, ctx.spec, ctx.w1, ctx.w2
+        if _version_sum(w1 + w2) != ctx.weights_version:
+            raise RuntimeError("an expert weight of an LRMoE layer was modified by an inplace operation between "
+                               "the forward and its backward (e.g. an optimizer step before the backward)")
         T, K = plan.row_of_pair.shape
         dout = dout.contiguous()
         src = plan.order // K                                           # send row -> token
@@ -62,21 +81,22 @@ class RoutedMLP(torch.autograd.Function):
 
         kept = kept_pairs = None
         splits, gate, row_weight = plan, weight_of_row, weight_of_row   # gate g_p and dy's weight, per send row
-        if spec.shares is not None:
+        shares = spec.shares
+        if shares is not None:
             rank = _rank(disp)
             dout_norm = _row_norms(dout) if spec.metric == "grad_norm" else None
             metric = pair_metric(spec.metric, weight_of_row,
                                  None if dout_norm is None else dout_norm.index_select(0, src),
                                  None if x_norm is None else x_norm.index_select(0, src))
-            sizes, quotas = to_device(plan.all_counts[rank], dout.device), to_device(spec.shares[rank], dout.device)
+            sizes, quotas = to_device(plan.all_counts[rank], dout.device), to_device(shares[rank], dout.device)
             kept, scale, _ = select_retained(metric, sizes, quotas, spec.selection, spec.seed,
-                                             num_kept=int(spec.shares[rank].sum()))
+                                             num_kept=int(shares[rank].sum()))
             kept_pairs = plan.order.index_select(0, kept)
             gate = row_weight = weight_of_row.index_select(0, kept)
             if spec.rescale:
                 row_weight = gate * scale
             src = src.index_select(0, kept)
-            splits = disp.compact(spec.shares, dout.device)
+            splits = disp.compact(shares, dout.device)
             if spec.record is not None:
                 spec.record.update(kept=kept, scale=scale, pairs=kept_pairs)
 

@@ -23,13 +23,15 @@ class BackwardSpec:
 
     policy: "stash" or "recompute".  router_grad: "exact" or "retained".
     shares [R, E] int64 host or None: retained pairs from each source rank to each expert (None:
-        every pair is kept, the exact backward).
+        every pair is kept, the exact backward). Set after the forward has queued its kernels.
+    may_drop: whether the quotas can drop a pair (the forward then keeps ||x_t|| for the metric).
     metric, selection, rescale, seed: the sampling (the seed differs per layer, step and rank).
     record: a dict the backward fills with its selection (``kept``, ``scale``, ``pairs``), or None.
     """
     policy: str = "stash"
     router_grad: str = "exact"
     shares: Optional[torch.Tensor] = None
+    may_drop: bool = False
     metric: Metric = "grad_norm"
     selection: Selection = "priority_sampling"
     rescale: bool = True

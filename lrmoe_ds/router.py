@@ -85,7 +85,10 @@ class Router(nn.Module):
         topk_weight = scores.gather(1, topk_index)
         if self.norm_topk_prob and self.k > 1:
             topk_weight = topk_weight / topk_weight.sum(-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
-        counts = torch.bincount(topk_index.flatten(), minlength=self.num_experts)
+        # not torch.bincount: on CUDA it reads the largest index back to the host (a synchronisation)
+        flat = topk_index.flatten()
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
         # Switch/GShard balance loss over all k choices: E * sum_e mean_prob_e * pair_fraction_e
         pair_fraction = counts.to(dtype) / max(topk_index.numel(), 1)
         mean_prob = probs.sum(0) / max(x.shape[0], 1)  # a rank may hold no token: loss 0, not NaN

@@ -68,3 +68,28 @@ def test_bf16_retention_matches_reference_over_selected_pairs(policy, router_gra
     assert rel(xb.grad.cpu(), ref_dx) < 3e-2
     for (n, p), g in zip(layer.named_parameters(), ref_grads):
         assert rel(p.grad.cpu(), g) < 3e-2, n
+
+
+@pytest.mark.parametrize("retention", [None, 0.5])
+def test_no_host_synchronisation_on_one_gpu(retention):
+    """On one GPU with the CUDA ops no step of the layer waits for the GPU's stream: the exact layer
+    reads nothing back; with retention the forward waits once, on an event, for the early copy of the
+    expert counts (after the experts' GEMMs are queued), which set_sync_debug_mode does not flag."""
+    if not ops.cuda_ops_status()[0]:
+        pytest.skip(f"CUDA ops unavailable: {ops.cuda_ops_status()[1]}")
+    torch.manual_seed(0)
+    layer = lrmoe_ds.LRMoE(H, num_experts=E, k=K, ffn_hidden_size=F).cuda().bfloat16()
+    if retention is not None:
+        layer.configure(lrmoe_ds.LRMoEConfig(enabled=True, retention_ratio=retention))
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    layer(x)[0].sum().backward()  # warm-up: the first training forward reads its step counter once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        layer(x)[0].sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    if retention is not None:
+        assert int(layer.last_stats.quotas.sum()) < T * K
+    ops.set_default_backend("auto")

@@ -127,6 +127,25 @@ def test_ratio_one_is_bit_exact(policy):
     assert torch.equal(dx_one, dx_exact) and all(torch.equal(a, b) for a, b in zip(grads_one, grads_exact))
 
 
+def test_counts_are_read_after_the_forward_kernels_are_queued(monkeypatch):
+    # On one rank nothing in the forward waits for the expert counts: the host reads them (for the
+    # backward's quotas) only once the experts' GEMMs are queued, so on a GPU the read waits for the
+    # router alone and the quota planning overlaps the forward's GEMMs.
+    from lrmoe_ds import experts as experts_module
+    from lrmoe_ds.dispatcher import HostCopy
+    events = []
+    real_get, real_linear = HostCopy.get, experts_module.ops.grouped_linear
+    monkeypatch.setattr(HostCopy, "get", lambda self: events.append("read") or real_get(self))
+    monkeypatch.setattr(experts_module.ops, "grouped_linear",
+                        lambda *a, **k: events.append("gemm") or real_linear(*a, **k))
+    layer, x = make_layer()
+    configure(layer, retention_ratio=0.5)
+    out = layer(x.clone().requires_grad_(True))[0]
+    assert events[:2] == ["gemm", "gemm"] and "read" in events
+    assert layer.last_stats is not None and int(layer.last_stats.quotas.sum()) < T * K
+    probe_loss(out).backward()
+
+
 def test_full_quota_selection_is_bit_exact(monkeypatch):
     # the whole selection path with every quota >= count keeps all pairs with weight 1
     layer, x = make_layer()
@@ -135,9 +154,9 @@ def test_full_quota_selection_is_bit_exact(monkeypatch):
     real = layer._backward_spec
 
     def forced(plan, dtype):
-        spec = real(plan, dtype)
-        spec.shares = plan.all_counts.clone()
-        return spec
+        spec, _ = real(plan, dtype)
+        spec.may_drop = True
+        return spec, lambda: plan.all_counts.clone()
     monkeypatch.setattr(layer, "_backward_spec", forced)
     dx_one, grads_one = layer_grads(layer, x)
     assert torch.equal(dx_one, dx_exact) and all(torch.equal(a, b) for a, b in zip(grads_one, grads_exact))
@@ -285,7 +304,7 @@ def test_eval_and_disabled_run_exact():
     layer, x = make_layer()
     configure(layer, retention_ratio=0.25)
     layer.eval()
-    assert layer._backward_spec(layer.deepspeed_moe.dispatcher.plan(*_routing(layer, x)), x.dtype) == BackwardSpec()
+    assert layer._backward_spec(layer.deepspeed_moe.dispatcher.plan(*_routing(layer, x)), x.dtype) == (BackwardSpec(), None)
 
 
 def _routing(layer, x):
