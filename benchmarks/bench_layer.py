@@ -4,7 +4,8 @@ dropless layer on torch._grouped_mm (the anchor), LRMoE exact and LRMoE with ret
 
     python3 benchmarks/bench_layer.py --out benchmarks/results/layer_retention_h200.md
 
-Per row: median of CUDA-event timings of a full forward + backward (timing.median_ms); speed ratios
+Per row: median of CUDA-event timings of a full forward + backward (timing.median_ms; the .grad reset
+before each step is not timed); speed ratios
 (the anchor's, DeepSpeed's time / this time); the activation memory held after the forward and the
 peak memory of one forward + backward, both above what was allocated before the forward (layer and
 inputs; .grad is set to None before every step, as DeepSpeed's optimizers leave it), in GiB.
@@ -95,18 +96,43 @@ def build(kind, H, Fh, E, k):
     return lrmoe_ds.LRMoE(H, num_experts=E, k=k, ffn_hidden_size=Fh)
 
 
+def to_device_flat(layer, dev):
+    """``layer.to(dev)`` with its parameters then laid out as DeepSpeed's bf16 and ZeRO-1/2 optimizers leave
+    them: views of one flat buffer, in parameter order (so each expert's weights lie together, one expert
+    after another; DeepSpeed keeps expert and shared parameters in separate groups, each one buffer)."""
+    layer = layer.to(dev)
+    params = list(layer.parameters())
+    experts = [p for p in params if not getattr(p, "allreduce", True)]  # DeepSpeed's mark of expert parameters
+    groups = [experts, [p for p in params if getattr(p, "allreduce", True)]]
+    for group in groups:
+        if not group:
+            continue
+        flat = torch.empty(sum(p.numel() for p in group), device=dev, dtype=group[0].dtype)
+        off = 0
+        for p in group:
+            view = flat[off:off + p.numel()].view_as(p)
+            view.copy_(p.data)
+            p.data = view
+            off += p.numel()
+    return layer
+
+
 def measure(layer, x, grad, reps):
     """(median ms, (GiB held for the backward after the forward, GiB at the peak of one forward +
     backward)), both above what was allocated before the forward."""
-    def step():
-        # .grad set to None first, as DeepSpeed's optimizers leave it after every backward (they take the
-        # gradients into their own buffers): autograd then keeps the new gradients instead of adding them
+    def clear():
+        # .grad set to None before every step, as DeepSpeed's optimizers leave it after every backward (they
+        # take the gradients into their own buffers): autograd then keeps the new gradients instead of adding
+        # them. Not timed: it is the optimizer's work (a loop over the parameters), not the layer's.
         layer.zero_grad(set_to_none=True)
+
+    def step():
         xi = x.detach().requires_grad_(True)
         layer(xi)[0].backward(grad)
 
+    clear()
     step()  # warm-up
-    layer.zero_grad(set_to_none=True)
+    clear()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -117,7 +143,7 @@ def measure(layer, x, grad, reps):
     del out
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    return median_ms(step, reps=reps, warmup=2, inner=1), (held / GIB, peak / GIB)
+    return median_ms(step, reps=reps, warmup=2, inner=1, setup=clear), (held / GIB, peak / GIB)
 
 
 def ratio(a, b, fmt="{:.2f}"):
@@ -149,7 +175,8 @@ def main():
     lines = [f"# One MoE layer, forward + backward, {torch.cuda.get_device_name()}", "",
              f"Command: `{cmd}`", "",
              (f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, bf16; lrmoe_ds CUDA ops: "
-             f"{'built' if cuda_ok else why}. Median of {args.reps} CUDA-event timings of forward + backward; "
+             f"{'built' if cuda_ok else why}. Median of {args.reps} CUDA-event timings of forward + backward "
+             "(.grad set to None before each, untimed); "
              f"retention rows: metric {args.metric}, router_grad {args.router_grad}, selection and the rest "
              "at their defaults."),
              ("speed vs X = X's time / this time (> 1: faster). held = activation memory: allocated after the "
@@ -159,7 +186,9 @@ def main():
              "includes the new weight gradients, the same bytes for every row); vs 1.0 stash "
              "= this / LRMoE retention 1, stash. TFLOP/s counts the exact layer's useful expert FLOPs (also for "
              "retention, which does less work)."),
-             "One LRMoE layer serves every LRMoE row of a table, reconfigured with `layer.configure` per row."]
+             "One LRMoE layer serves every LRMoE row of a table, reconfigured with `layer.configure` per row. "
+             "On the GPU every layer's parameters are views of one flat buffer per group (expert / shared), as "
+             "DeepSpeed's bf16 and ZeRO-1/2 optimizers lay them out in training."]
 
     def write(table=()):
         if args.out:
@@ -194,7 +223,7 @@ def main():
                     if on_gpu is not None:
                         layers[on_gpu] = layers[on_gpu].cpu()
                         torch.cuda.empty_cache()
-                    layers[kind], on_gpu = layers[kind].to(dev), kind
+                    layers[kind], on_gpu = to_device_flat(layers[kind], dev), kind
                 layer = layers[kind]
                 try:
                     if block is not None:
