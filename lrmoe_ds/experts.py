@@ -174,9 +174,15 @@ class GroupedExperts(nn.Module):
                 p.allreduce = False
                 p.group_name = expert_group_name
 
+    def _apply(self, fn, recurse=True):
+        # a dtype or device conversion may put new Parameter objects straight into _parameters (torch.__future__'s
+        # overwrite mode), past the registration hooks
+        self._projections = None
+        return super()._apply(fn, recurse)
+
     def projections(self):
         """(w1 tuple, w2 tuple, expert type: its ``act`` and ``act_backward``) of the built-in experts, for
-        the grouped path; cached until a parameter or module is registered anywhere."""
+        the grouped path; cached until a parameter or module is registered anywhere, or the module converted."""
         if self._projections is None or self._projections[0] != _registrations:
             experts = self.deepspeed_experts
             pairs = [e.projections() for e in experts]

@@ -160,6 +160,15 @@ def test_replaced_expert_weight_is_used():
     cached_w1, cached_w2, _ = layer.deepspeed_moe.experts.projections()
     assert all(a is b for a, b in zip(cached_w1 + cached_w2, w1 + w2))
     assert not torch.equal(before, after)
+    # a conversion that replaces the Parameter objects themselves (torch.__future__'s overwrite mode)
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        layer.float()
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(False)
+    w1, w2 = expert_weights(layer)
+    cached_w1, cached_w2, _ = layer.deepspeed_moe.experts.projections()
+    assert w1[0].dtype == torch.float32 and all(a is b for a, b in zip(cached_w1 + cached_w2, w1 + w2))
 
 
 def test_expert_weight_changed_before_backward_is_an_error():
