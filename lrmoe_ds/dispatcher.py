@@ -67,6 +67,7 @@ class DispatchPlan:
     host_counts: HostCopy of all_counts [R, E], the pairs from each EP rank to each expert
         (n_e = all_counts.sum(0)). With R > 1 it was read at once (the all-to-all needs it); on one rank
         it is read only where :attr:`all_counts` or :attr:`group_sizes_host` is asked for.
+    local_sizes_host: rows per local expert, host ints (R > 1; on one rank they are all_counts[0]).
     """
     order: torch.Tensor
     row_of_pair: torch.Tensor
@@ -76,6 +77,7 @@ class DispatchPlan:
     regroup_inverse: Optional[torch.Tensor]
     group_sizes: torch.Tensor
     host_counts: HostCopy
+    local_sizes_host: Optional[List[int]] = None
 
     @property
     def all_counts(self) -> torch.Tensor:
@@ -83,12 +85,8 @@ class DispatchPlan:
 
     @property
     def group_sizes_host(self) -> List[int]:
-        """Rows per local expert, host ints (a host read on one rank; known already with R > 1)."""
-        if self.regroup is None:
-            return self.all_counts[0].tolist()
-        return self._group_sizes_host
-
-    _group_sizes_host: Optional[List[int]] = None
+        """Rows per local expert, host ints (a host read on one rank)."""
+        return self.all_counts[0].tolist() if self.local_sizes_host is None else self.local_sizes_host
 
 
 @dataclass
@@ -185,7 +183,7 @@ class AllToAllDispatcher:
         row_of_pair = _inverse_permutation(order).view(topk_index.shape)
         if R == 1:
             # no collective, so no host read here: the exact CUDA path never waits for the counts; the
-            # reference ops' loops and the retention quotas (in the backward) read them
+            # reference ops' loops read them, and retention's quota planning once the forward's GEMMs are queued
             return DispatchPlan(order, row_of_pair, None, None, None, None, counts, HostCopy(counts.view(1, E)))
         if self.ep_group is None:
             raise RuntimeError("ep_size > 1 but the layer has no expert-parallel group: build the model's "
