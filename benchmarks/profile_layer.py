@@ -1,7 +1,8 @@
 """Where one MoE layer's forward + backward spends its time: torch.profiler's tables (kernels by GPU
 time, operators by host time, summed over a few steps) and, per layer, the wall time per step against
 the time the GPU was busy (the union of its kernels, copies and memsets): a layer whose GPU is busy
-for much less than the wall time is bound by the host.
+for much less than the wall time is bound by the host. The longest GPU idle gaps are listed with the
+host operators that ran during them (what the host was doing while the GPU waited).
 
     python3 benchmarks/profile_layer.py --shape glm-4.5-air --tokens 16384 --ratio 0.5 > profile.txt
     python3 benchmarks/profile_layer.py --shape qwen3-30b-a3b --tokens 8192 --policies stash recompute \
@@ -26,18 +27,31 @@ import lrmoe_ds
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def gpu_busy_us(trace_path):
-    """The union of the GPU's kernel, copy and memset intervals in a Chrome trace, in microseconds."""
+def gpu_timeline(trace_path, top=8):
+    """From a Chrome trace: (microseconds the GPU was busy: the union of its kernel, copy and memset
+    intervals; the ``top`` longest idle gaps between them, each as (gap us, the next kernel's name, the
+    host operators that ran longest during the gap, with their us))."""
     with open(trace_path) as f:
-        events = json.load(f)["traceEvents"]
-    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                   if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES and e.get("dur", 0) > 0)
-    busy, end = 0.0, float("-inf")
-    for a, b in spans:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and e.get("dur", 0) > 0]
+    spans = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") in GPU_CATEGORIES)
+    busy, end, gaps = 0.0, float("-inf"), []
+    for a, b, name in spans:
+        if a > end and end > float("-inf"):
+            gaps.append((a - end, end, a, name))
         if b > end:
             busy += b - max(a, end)
             end = b
-    return busy
+    host = [e for e in events if e.get("cat") == "cpu_op"]
+    worst = []
+    for gap, a, b, name in sorted(gaps, reverse=True)[:top]:
+        during = {}
+        for e in host:
+            overlap = min(e["ts"] + e["dur"], b) - max(e["ts"], a)
+            if overlap > 0:
+                during[e["name"]] = during.get(e["name"], 0.0) + overlap
+        ops = sorted(during.items(), key=lambda kv: -kv[1])[:4]
+        worst.append((gap, name, ops))
+    return busy, worst
 
 
 def main():
@@ -83,10 +97,16 @@ def main():
             wall_ms = (time.perf_counter() - start) * 1e3 / args.steps
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
-        busy_ms = gpu_busy_us(path) / 1e3 / args.steps
+        busy_us, gaps = gpu_timeline(path)
+        busy_ms = busy_us / 1e3 / args.steps
         print(f"## {name}: {args.shape}, {args.tokens} tokens, {args.steps} steps", flush=True)
         print(f"\nper step, under the profiler: wall {wall_ms:.2f} ms, GPU busy {busy_ms:.2f} ms "
               f"({100 * busy_ms / wall_ms:.0f}%)\n")
+        print("longest GPU idle gaps (over all steps), and the host operators that ran longest in each (the gap "
+              "before a step's first kernel holds the .grad reset, which bench_layer.py does not time):")
+        for gap, kernel, ops in gaps:
+            print(f"  {gap / 1e3:.3f} ms before {kernel[:60]}: " + ", ".join(f"{n} {t / 1e3:.3f} ms" for n, t in ops))
+        print()
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=args.rows,
                                         max_name_column_width=90))
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows,
