@@ -53,7 +53,8 @@ def weight_layouts(E, shapes):
     tensor, as after module.to(device)); views of one flat buffer in DeepSpeed ZeRO's order (expert 0's
     up and down weights, then expert 1's, ...: what ZeRO-1/2 and the bf16 optimizer make of the
     parameters); views of one stacked [E, N, K] tensor per projection (what torch._grouped_mm reads).
-    shapes: [(N, K)] per projection -> {layout: [list of E tensors per projection]}."""
+    shapes: [(N, K)] per projection -> ({layout: [list of E tensors per projection]}, [stacked [E, N, K]
+    tensor per projection], the one that torch._grouped_mm is given too)."""
     separate = [[torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5 for _ in range(E)]
                 for N, K in shapes]
     per_expert = sum(N * K for N, K in shapes)
@@ -65,8 +66,8 @@ def weight_layouts(E, shapes):
             flat_views[j][e] = flat[off:off + N * K].view(N, K)
             flat_views[j][e].copy_(separate[j][e])
             off += N * K
-    stacked = [list(torch.stack(ws).unbind(0)) for ws in separate]
-    return {"separate": separate, "flat": flat_views, "stacked": stacked}
+    stacked = [torch.stack(ws) for ws in separate]
+    return {"separate": separate, "flat": flat_views, "stacked": [list(W.unbind(0)) for W in stacked]}, stacked
 
 
 def bench_case(name, H, F, E, k, T, skew, gen, variants=True):
@@ -77,10 +78,9 @@ def bench_case(name, H, F, E, k, T, skew, gen, variants=True):
     bounds = [0] + torch.cumsum(sizes, 0).tolist()
     rows = []
     shapes = [(2 * F, H), (H, F)]  # up, down
-    layouts = weight_layouts(E, shapes)
+    layouts, stacked = weight_layouts(E, shapes)
     for j, (proj, (N, K)) in enumerate(zip(("up", "down"), shapes)):
-        ws = layouts["separate"][j]
-        W = torch.stack(ws)  # [E, N, K] for torch._grouped_mm
+        ws, W = layouts["separate"][j], stacked[j]  # W [E, N, K] for torch._grouped_mm
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
         grads = {"separate": [torch.empty(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(E)],
