@@ -20,7 +20,8 @@ Flags on the command line win.
 
 Logged through DeepSpeed's monitor (the config's ``csv_monitor``, ``tensorboard``, ``wandb``):
 ``Train/loss`` (LM cross-entropy, nats/byte), ``Train/aux_loss``, ``Train/lr``,
-``Train/tokens_per_s``, ``Load/layer<i>/max_over_mean`` and ``Load/layer<i>/expert<e>`` (fraction of
+``Train/tokens_per_s``, ``Train/grad_norm`` (DeepSpeed's global gradient norm before clipping, where the
+config clips), ``Load/layer<i>/max_over_mean`` and ``Load/layer<i>/expert<e>`` (fraction of
 the routed token-expert pairs that went to expert e, summed over all ranks since the last log), and
 ``Eval/loss`` (held-out nats/byte).
 """
@@ -427,6 +428,7 @@ def main(argv=None):
     bar = tqdm(total=args.steps, initial=step, disable=rank != 0, dynamic_ncols=True, desc="train")
     acc = torch.zeros(2, device=dev)  # summed lm loss, aux loss over micro-steps since the last log
     acc_counts, acc_micro, t_log, step_log = None, 0, time.time(), step
+    norm_sum, norm_n = 0.0, 0
     stop = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
     eval_time = 0.0
     while step < stop:
@@ -437,6 +439,10 @@ def main(argv=None):
             engine.backward(lm + args.aux_loss_coef * aux)
             engine.step()
             acc += torch.stack([lm.detach().float(), aux.detach().float()])
+        # DeepSpeed's global gradient norm before clipping (None where the config does not clip)
+        norm = engine.get_global_grad_norm()
+        if norm is not None:
+            norm_sum, norm_n = norm_sum + float(norm), norm_n + 1
             acc_counts = counts if acc_counts is None else acc_counts + counts
             acc_micro += 1
         step += 1
@@ -450,6 +456,8 @@ def main(argv=None):
             tok_s = (step - step_log) * global_batch * args.seq_len / (time.time() - t_log)
             events = [("Train/loss", lm_avg, step), ("Train/aux_loss", aux_avg, step),
                       ("Train/lr", engine.get_lr()[0], step), ("Train/tokens_per_s", tok_s, step)]
+            if norm_n:
+                events.append(("Train/grad_norm", norm_sum / norm_n, step))
             for layer in range(args.layers):
                 events.append((f"Load/layer{layer}/max_over_mean", (frac[layer].max() * args.experts).item(), step))
                 events += [(f"Load/layer{layer}/expert{e}", frac[layer, e].item(), step) for e in range(args.experts)]
@@ -458,6 +466,7 @@ def main(argv=None):
                             load=f"{(frac.max(dim=1).values * args.experts).max().item():.2f}")
             acc.zero_()
             acc_counts, acc_micro, t_log, step_log = None, 0, time.time(), step
+            norm_sum, norm_n = 0.0, 0
         if args.eval_every and step % args.eval_every == 0 and step < stop:
             t_eval = time.time()
             loss = evaluate(engine, val_data, args)
