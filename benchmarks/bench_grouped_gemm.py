@@ -13,7 +13,7 @@ import os
 import torch
 
 from lrmoe_ds import ops
-from timing import median_ms
+from timing import median_ms, median_ms_interleaved
 
 SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "glm-4.5-air": (4096, 1408, 128, 8)}
 
@@ -24,15 +24,18 @@ SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "glm-4.5-air": (4096, 1408, 128,
 VARIANTS = [("auto", "m", "1"), ("coop", "m", "1"), ("coop", "n", "2"), ("pingpong", "m", "1")]
 
 
-def time_variants(fn):
-    """Our kernel under each scheduler variant: {variant: ms}; the default ("m", "1") first."""
-    out = {}
-    for cfg, raster, swz in VARIANTS:
-        os.environ["LRMOE_GEMM_CONFIG"], os.environ["LRMOE_GEMM_RASTER"], os.environ["LRMOE_GEMM_SWIZZLE"] = cfg, raster, swz
-        out[f"{cfg}-{raster}{swz}"] = median_ms(fn)
+def with_variant(fn, cfg, raster, swz):
+    """fn run under one scheduler variant (the extension reads the variables on every call)."""
+    def run():
+        os.environ["LRMOE_GEMM_CONFIG"], os.environ["LRMOE_GEMM_RASTER"], os.environ["LRMOE_GEMM_SWIZZLE"] = \
+            cfg, raster, swz
+        fn()
+    return run
+
+
+def clear_variant():
     for var in ("LRMOE_GEMM_CONFIG", "LRMOE_GEMM_RASTER", "LRMOE_GEMM_SWIZZLE"):
-        os.environ.pop(var)
-    return out
+        os.environ.pop(var, None)
 
 
 def routed_sizes(T, k, E, skew, gen):
@@ -122,17 +125,24 @@ def bench_case(name, H, F, E, k, T, skew, gen, variants=True):
             a = ours(pname)()
             a = torch.stack(a) if isinstance(a, list) else a
             try:
-                b = theirs()
-                err = rel(a, b)
-                t_torch = median_ms(theirs)
+                err = rel(a, theirs())
             except Exception as exc:  # noqa: BLE001 - a layout torch does not take is recorded, not fatal
-                err, t_torch = float("nan"), float("nan")
+                err, theirs = float("nan"), None
                 print(f"torch._grouped_mm failed on {name} {proj} {pname}: {exc}")
-            timed = time_variants(ours(pname)) if variants else {"auto-m1": median_ms(ours(pname))}
+            # torch and every column of ours timed in turns (timing.median_ms_interleaved), so that a
+            # drift of the clocks during the cell favours none of them
+            fns = {"torch": theirs} if theirs is not None else {}
+            fns.update({lay: with_variant(ours(pname, lay), *VARIANTS[0]) for lay in ("flat", "stacked")})
+            variant_names = [f"{c}-{r}{z}" for c, r, z in VARIANTS] if variants else ["auto-m1"]
+            for vn, (c, r, z) in zip(variant_names, VARIANTS):
+                fns[vn] = with_variant(ours(pname), c, r, z)
+            timed = median_ms_interleaved(fns)
+            clear_variant()
+            t_torch = timed.pop("torch", float("nan"))
+            t_flat, t_stacked = timed.pop("flat"), timed.pop("stacked")
             t_ours = timed["auto-m1"]
             best = min(timed, key=timed.get)
             t_loop = median_ms(loop, reps=5, warmup=1, inner=1)
-            t_flat, t_stacked = median_ms(ours(pname, "flat")), median_ms(ours(pname, "stacked"))
             rows.append((name, T, skew, proj, pname, M, N, K, t_ours, flops / t_ours / 1e9, t_torch,
                          flops / t_torch / 1e9, t_loop, flops / t_loop / 1e9, t_torch / t_ours, err,
                          best, t_torch / timed[best], t_flat, t_torch / t_flat, t_stacked, t_torch / t_stacked))
@@ -161,8 +171,9 @@ def main():
             for skew in args.routing.split(","):
                 rows.extend(bench_case(name, H, F, E, k, T, skew, gen, variants=not args.no_variants))
     lines = [f"# Segmented GEMM on {torch.cuda.get_device_name()} (torch {torch.__version__})", "",
-             "Command: `python3 benchmarks/bench_grouped_gemm.py` (bf16, fp32 accumulation; median of 10 CUDA-event "
-             "timings of 5 back-to-back calls each; 5 single calls for the loop). Variants: wgrad kernel coop "
+             "Command: `python3 benchmarks/bench_grouped_gemm.py` (bf16, fp32 accumulation; median of 15 CUDA-event "
+             "timings of 5 back-to-back calls each, torch._grouped_mm and every column of ours timed in turns with "
+             "the order rotating per timing, so that clock drift favours none; 5 single calls for the loop). Variants: wgrad kernel coop "
              "(128x256x64) or pingpong (128x128x64) (LRMOE_GEMM_CONFIG; forward and dgrad are always coop), raster "
              "order m|n and swizzle 1|2 (LRMOE_GEMM_RASTER, LRMOE_GEMM_SWIZZLE); the ratio column is the default, "
              "auto-m1 (ping-pong for wgrad, cooperative otherwise), with each expert's weights allocated separately "

@@ -4,6 +4,19 @@ import statistics
 import torch
 
 
+def _time_once(fn, inner, setup=None):
+    """Mean ms of ``inner`` back-to-back calls of ``fn`` (``setup`` runs first, untimed)."""
+    if setup is not None:
+        setup()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(inner):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / inner
+
+
 def median_ms(fn, reps=10, warmup=2, inner=5, setup=None):
     """Median over ``reps`` of the mean time of ``inner`` back-to-back calls of ``fn``, in ms, from
     CUDA events (back-to-back calls let launch overhead overlap the GPU work, as in training).
@@ -13,15 +26,21 @@ def median_ms(fn, reps=10, warmup=2, inner=5, setup=None):
             setup()
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        if setup is not None:
-            setup()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(inner):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / inner)
-    return statistics.median(times)
+    return statistics.median(_time_once(fn, inner, setup) for _ in range(reps))
+
+
+def median_ms_interleaved(fns, reps=15, warmup=2, inner=5):
+    """{name: median ms} for several functions timed in turns: each rep times every function once, the
+    order rotating from rep to rep. Timing one function's reps all before the next lets a drift of the
+    GPU's clocks (it heats up) favour whichever runs first; in turns, every one sees the same drift."""
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    torch.cuda.synchronize()
+    times = {name: [] for name in names}
+    for rep in range(reps):
+        for i in range(len(names)):
+            name = names[(rep + i) % len(names)]
+            times[name].append(_time_once(fns[name], inner))
+    return {name: statistics.median(t) for name, t in times.items()}

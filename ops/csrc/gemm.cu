@@ -125,10 +125,6 @@ size_t grouped_gemm(GemmPass pass, DType dtype, DType out_dtype, int64_t M, int6
   const bool use_cutlass =
       allow_cutlass && grouped_gemm_uses_cutlass(pass, dtype, out_dtype, N, K, G, a, b, group_ptrs, out);
   Scratch sc(temp);
-  int64_t* offsets = sc.take<int64_t>(G + 1);
-  size_t scan_bytes = 0;
-  LRMOE_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, group_sizes, offsets, G, stream));
-  void* scan_temp = sc.take<char>(scan_bytes);
   size_t gemm_bytes = 0;
   auto cutlass_run = [&](void* t, size_t bytes) {
     // Kernel: cooperative 128x256x64 for forward and dgrad; for wgrad ping-pong 128x128x64 (the faster
@@ -140,17 +136,14 @@ size_t grouped_gemm(GemmPass pass, DType dtype, DType out_dtype, int64_t M, int6
     auto fn = pass == GemmPass::kFwd ? cutlass_gemm::run_fwd
               : pass == GemmPass::kDgrad ? cutlass_gemm::run_dgrad
                                          : (coop ? cutlass_gemm::run_wgrad : cutlass_gemm::run_wgrad_pingpong);
-    return fn(M, N, K, G, a, b, group_ptrs, group_sizes, offsets, out, accumulate, t, bytes, stream);
+    return fn(M, N, K, G, a, b, group_ptrs, group_sizes, out, accumulate, t, bytes, stream);
   };
-  if (use_cutlass) gemm_bytes = cutlass_run(nullptr, 0);
-  void* gemm_temp = sc.take<char>(gemm_bytes);
-  if (temp == nullptr) return sc.used;
-  if (temp_bytes < sc.used) throw std::runtime_error("grouped_gemm: scratch too small");
-  if (G == 0) return sc.used;
-  size_t bytes = scan_bytes;
-  LRMOE_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(scan_temp, bytes, group_sizes, offsets, G, stream));
-
-  if (use_cutlass) {
+  if (use_cutlass) {  // the CUTLASS setup kernel makes the row offsets itself
+    gemm_bytes = cutlass_run(nullptr, 0);
+    void* gemm_temp = sc.take<char>(gemm_bytes);
+    if (temp == nullptr) return sc.used;
+    if (temp_bytes < sc.used) throw std::runtime_error("grouped_gemm: scratch too small");
+    if (G == 0) return sc.used;
     if (pass == GemmPass::kWgrad && !accumulate) {
       const int64_t nbytes = N * K * 2;  // N * K % 8 == 0: whole 16-byte words
       for (int64_t g0 = 0; g0 < G; g0 += kPtrChunk) {
@@ -163,6 +156,15 @@ size_t grouped_gemm(GemmPass pass, DType dtype, DType out_dtype, int64_t M, int6
     cutlass_run(gemm_temp, gemm_bytes);
     return sc.used;
   }
+  int64_t* offsets = sc.take<int64_t>(G + 1);
+  size_t scan_bytes = 0;
+  LRMOE_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, group_sizes, offsets, G, stream));
+  void* scan_temp = sc.take<char>(scan_bytes);
+  if (temp == nullptr) return sc.used;
+  if (temp_bytes < sc.used) throw std::runtime_error("grouped_gemm: scratch too small");
+  if (G == 0) return sc.used;
+  size_t bytes = scan_bytes;
+  LRMOE_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(scan_temp, bytes, group_sizes, offsets, G, stream));
   if (N == 0 || K == 0) return sc.used;
   // M is host-known and bounds every group's rows: blocks past a group's end return at once.
   const int64_t rows = pass == GemmPass::kWgrad ? N : M;

@@ -14,7 +14,7 @@ namespace cutlass_gemm {  // per pass: cooperative 128x256x64 in gemm_<pass>_bf1
                           // ping-pong 128x128x64 in gemm_wgrad_pingpong_bf16.cu; scratch bytes when temp == nullptr
 #define LRMOE_CUTLASS_PASS(name)                                                                             \
   size_t name(int64_t M, int64_t N, int64_t K, int64_t G, const void* a, const void* b,                     \
-              const void* const* group_ptrs, const int64_t* sizes, const int64_t* offsets, void* out,       \
+              const void* const* group_ptrs, const int64_t* sizes, void* out,                               \
               bool accumulate, void* temp, size_t temp_bytes, cudaStream_t stream)
 LRMOE_CUTLASS_PASS(run_fwd);
 LRMOE_CUTLASS_PASS(run_dgrad);

@@ -1,9 +1,12 @@
 // The CUTLASS 3.x Hopper grouped GEMM (pointer-array, TMA, warp-specialised) used by the segmented
 // GEMM of gemm.cu. Each gemm_<pass>.cu instantiates one pass, so they compile in parallel.
 // Per-group problem shapes, pointers and strides are written on the device by setup_kernel from the
-// device group sizes; the problem shapes never visit the host.
+// device group sizes (it also makes the groups' row offsets, by a block scan: no separate scan launch);
+// the problem shapes never visit the host.
 #pragma once
 
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
 #include <cutlass/epilogue/collective/collective_builder.hpp>
@@ -54,44 +57,57 @@ using CooperativeEpi = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 using Pingpong = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
 using PingpongEpi = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 
+// One block of kPtrChunk threads per chunk of groups; thread i sets up group g0 + i. Its first row is
+// the sum of the sizes before it: those of earlier chunks (a block reduction) plus a block scan here.
 template <class Cfg>
-__global__ void setup_kernel(GemmPass pass, int64_t M, int64_t N, int64_t K, int64_t g0, int64_t count, PtrChunk ptrs,
-                             const int64_t* __restrict__ sizes, const int64_t* __restrict__ offsets,
-                             const Element* a, const Element* b, Element* out, ProblemShape::UnderlyingProblemShape* problems,
-                             const Element** pa, const Element** pb, const Element** pc, Element** pd,
-                             typename Cfg::StrideA* sa, typename Cfg::StrideB* sb, typename Cfg::StrideD* sd,
-                             typename Cfg::StrideA stride_a, typename Cfg::StrideB stride_b,
-                             typename Cfg::StrideD stride_d) {
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < count; i += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t g = g0 + i, off = offsets[g];
-    const int64_t m = max(int64_t(0), min(sizes[g], M - off));  // rows past M are never touched
-    Element* group = static_cast<Element*>(const_cast<void*>(ptrs.p[i]));
-    if (pass == GemmPass::kFwd) {
-      problems[g] = make_shape(int(m), int(N), int(K));
-      pa[g] = a + off * K;
-      pb[g] = group;
-      pd[g] = out + off * N;
-    } else if (pass == GemmPass::kDgrad) {
-      problems[g] = make_shape(int(m), int(K), int(N));
-      pa[g] = a + off * N;
-      pb[g] = group;
-      pd[g] = out + off * K;
-    } else {  // an empty group gets no tiles (its zeroing, if asked, is done by gemm.cu)
-      problems[g] = make_shape(m > 0 ? int(N) : 0, int(K), int(m));
-      pa[g] = a + off * N;
-      pb[g] = b + off * K;
-      pd[g] = group;
-    }
-    pc[g] = pd[g];
-    sa[g] = stride_a;
-    sb[g] = stride_b;
-    sd[g] = stride_d;
+__global__ void __launch_bounds__(kPtrChunk) setup_kernel(
+    GemmPass pass, int64_t M, int64_t N, int64_t K, int64_t g0, int64_t count, PtrChunk ptrs,
+    const int64_t* __restrict__ sizes, const Element* a, const Element* b, Element* out,
+    ProblemShape::UnderlyingProblemShape* problems, const Element** pa, const Element** pb, const Element** pc,
+    Element** pd, typename Cfg::StrideA* sa, typename Cfg::StrideB* sb, typename Cfg::StrideD* sd,
+    typename Cfg::StrideA stride_a, typename Cfg::StrideB stride_b, typename Cfg::StrideD stride_d) {
+  using Reduce = cub::BlockReduce<int64_t, kPtrChunk>;
+  using Scan = cub::BlockScan<int64_t, kPtrChunk>;
+  __shared__ union { typename Reduce::TempStorage reduce; typename Scan::TempStorage scan; } tmp;
+  __shared__ int64_t rows_before_chunk;
+  const int i = threadIdx.x;
+  int64_t before = 0;
+  for (int64_t j = i; j < g0; j += kPtrChunk) before += sizes[j];
+  before = Reduce(tmp.reduce).Sum(before);  // valid in thread 0
+  if (i == 0) rows_before_chunk = before;
+  __syncthreads();  // also before tmp is reused by the scan
+  int64_t off = 0;
+  Scan(tmp.scan).ExclusiveSum(i < count ? sizes[g0 + i] : int64_t(0), off);
+  if (i >= count) return;
+  off += rows_before_chunk;
+  const int64_t g = g0 + i;
+  const int64_t m = max(int64_t(0), min(sizes[g], M - off));  // rows past M are never touched
+  Element* group = static_cast<Element*>(const_cast<void*>(ptrs.p[i]));
+  if (pass == GemmPass::kFwd) {
+    problems[g] = make_shape(int(m), int(N), int(K));
+    pa[g] = a + off * K;
+    pb[g] = group;
+    pd[g] = out + off * N;
+  } else if (pass == GemmPass::kDgrad) {
+    problems[g] = make_shape(int(m), int(K), int(N));
+    pa[g] = a + off * N;
+    pb[g] = group;
+    pd[g] = out + off * K;
+  } else {  // an empty group gets no tiles (its zeroing, if asked, is done by gemm.cu)
+    problems[g] = make_shape(m > 0 ? int(N) : 0, int(K), int(m));
+    pa[g] = a + off * N;
+    pb[g] = b + off * K;
+    pd[g] = group;
   }
+  pc[g] = pd[g];
+  sa[g] = stride_a;
+  sb[g] = stride_b;
+  sd[g] = stride_d;
 }
 
 template <class Cfg>
 size_t run(GemmPass pass, int64_t M, int64_t N, int64_t K, int64_t G, const void* a, const void* b,
-           const void* const* group_ptrs, const int64_t* sizes, const int64_t* offsets, void* out, bool accumulate,
+           const void* const* group_ptrs, const int64_t* sizes, void* out, bool accumulate,
            void* temp, size_t temp_bytes, cudaStream_t stream) {
   using Gemm = typename Cfg::Gemm;
   using SA = typename Cfg::StrideA;
@@ -157,7 +173,7 @@ size_t run(GemmPass pass, int64_t M, int64_t N, int64_t K, int64_t G, const void
     PtrChunk chunk;
     const int64_t count = std::min<int64_t>(kPtrChunk, G - g0);
     for (int64_t i = 0; i < count; ++i) chunk.p[i] = group_ptrs[g0 + i];
-    setup_kernel<Cfg><<<1, kPtrChunk, 0, stream>>>(pass, M, N, K, g0, count, chunk, sizes, offsets,
+    setup_kernel<Cfg><<<1, kPtrChunk, 0, stream>>>(pass, M, N, K, g0, count, chunk, sizes,
                                                    static_cast<const Element*>(a), static_cast<const Element*>(b),
                                                    static_cast<Element*>(out), problems, pa, pb, pc, pd, sa, sb, sd,
                                                    stride_a, stride_b, stride_d);
