@@ -37,6 +37,8 @@ def parse_args(argv=None):
     p.add_argument("--num_gpus", type=int, default=1, help="ranks per run (CPU ranks on a machine without GPUs)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the config's / train.py's)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--micro_batch", type=int, default=None,
+                   help="train_micro_batch_size_per_gpu for every run (default: the base config's)")
     p.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
     p.add_argument("--name", default=None, help="results are convergence_<name>.md/.png (default: the config's name)")
     p.add_argument("--out_dir", default=os.path.join(ROOT, "benchmarks", "results"))
@@ -63,6 +65,9 @@ def launch(args, run, base):
     """Run train.py for one run; returns its result dict (summary, curves, rc, wall seconds)."""
     config = json.loads(json.dumps(base))
     config["lrmoe"] = {**(config.get("lrmoe") or {}), **RUNS[run][1]}
+    if args.micro_batch:
+        config["train_micro_batch_size_per_gpu"] = args.micro_batch
+        config.pop("train_batch_size", None)  # derived again by DeepSpeed from the micro batch
     job = f"{args.name}_{run}"
     config["csv_monitor"] = {"enabled": True, "output_path": os.path.join(args.work_dir, "csv"), "job_name": job}
     cfg_path, summary = (os.path.join(args.work_dir, f"{run}{ext}") for ext in (".json", ".summary.json"))
@@ -94,7 +99,8 @@ def launch(args, run, base):
             wall = json.load(f)["wall"]
     result = {"run": run, "rc": rc, "wall": wall, "log": log_path, "summary": None,
               "train": read_csv(os.path.join(csv_dir, "Train_loss.csv")),
-              "eval": read_csv(os.path.join(csv_dir, "Eval_loss.csv"))}
+              "eval": read_csv(os.path.join(csv_dir, "Eval_loss.csv")),
+              "grad_norm": read_csv(os.path.join(csv_dir, "Train_grad_norm.csv"))}
     if rc == 0 and os.path.exists(summary):
         with open(summary) as f:
             result["summary"] = json.load(f)
@@ -107,24 +113,36 @@ def launch(args, run, base):
     return result
 
 
-def report(args, results, cmd):
+def _norm_fifths(points):
+    """'first / last' means of a [(step, norm)] curve over its first and last fifth, or '-'."""
+    if not points:
+        return "-"
+    n = max(1, len(points) // 5)
+    mean = lambda pts: sum(v for _, v in pts) / len(pts)
+    return f"{mean(points[:n]):.3f} / {mean(points[-n:]):.3f}"
+
+
+def report(args, results, cmd, base_micro):
     exact = next((r["summary"]["end_loss"] for r in results if r["run"] == "exact" and r["summary"]), None)
     lines = [f"# Convergence with retention: {args.name}", "", f"Command: `{cmd}`", "",
              (f"Base config `{os.path.relpath(os.path.abspath(args.base_config), ROOT)}`, {args.num_gpus} rank(s), "
-             f"seed {args.seed}, steps {args.steps or 'from the config / train.py'}, train.py extra flags: "
+             f"micro batch {args.micro_batch or base_micro}, seed {args.seed}, steps {args.steps or 'from the config / train.py'}, train.py extra flags: "
              f"`{shlex.join(args.extra) or 'none'}`. Held-out loss in nats/byte (train.py's summary `end_loss`); "
-             "gap = (loss - exact) / exact; train s excludes evals; wall s is the whole launch."), "",
-             "| run | lrmoe block | final held-out loss | gap to exact | train s | wall s |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "gap = (loss - exact) / exact; grad norm = mean of `Train/grad_norm` (DeepSpeed's global norm before "
+             "clipping) over the first and the last fifth of the logged steps; train s excludes evals; wall s is the "
+             "whole launch."), "",
+             "| run | lrmoe block | final held-out loss | gap to exact | grad norm, first / last fifth | train s | wall s |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         label, block = RUNS[r["run"]][0], json.dumps(RUNS[r["run"]][1])
         s = r["summary"]
         if s is None:
-            lines.append(f"| {label} | `{block}` | failed (rc {r['rc']}, `{r['log']}`) | | | |")
+            lines.append(f"| {label} | `{block}` | failed (rc {r['rc']}, `{r['log']}`) | | | | |")
             continue
         gap = f"{(s['end_loss'] - exact) / exact * 100:+.2f}%" if exact else "-"
         wall = f"{r['wall']:.0f}" if r["wall"] is not None else "(reused)"
-        lines.append(f"| {label} | `{block}` | {s['end_loss']:.4f} | {gap} | {s['train_seconds']:.0f} | {wall} |")
+        lines.append(f"| {label} | `{block}` | {s['end_loss']:.4f} | {gap} | {_norm_fifths(r['grad_norm'])} | "
+                     f"{s['train_seconds']:.0f} | {wall} |")
     steps = sorted({st for r in results for st, _ in r["eval"]})
     lines += ["", "Held-out loss at every eval:", "", "| step | " + " | ".join(RUNS[r["run"]][0] for r in results) + " |",
               "| --- |" + " --- |" * len(results)]
@@ -169,7 +187,7 @@ def main():
     os.makedirs(args.out_dir, exist_ok=True)
     results = [launch(args, run, base) for run in args.runs]
     md, png = (os.path.join(args.out_dir, f"convergence_{args.name}{ext}") for ext in (".md", ".png"))
-    text = report(args, results, cmd)
+    text = report(args, results, cmd, base.get("train_micro_batch_size_per_gpu"))
     with open(md, "w") as f:
         f.write(text)
     plot(args, results, png)
