@@ -3,8 +3,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from lrmoe_ds.router_gemm import router_logits
 
 
 @dataclass
@@ -40,7 +41,8 @@ class _AddLossGradient(torch.autograd.Function):
 
 
 class Router(nn.Module):
-    """Top-k router. Logits in fp32, or in the input's dtype where that is wider.
+    """Top-k router. Logits in fp32, or in the input's dtype where that is wider (from bf16/fp16
+    operands with fp32 accumulation on CUDA: see :mod:`lrmoe_ds.router_gemm`).
 
     Args:
         hidden_size: H.  num_experts: E.  k: experts per token.
@@ -73,7 +75,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> RoutingResult:
         """x [T, H] -> RoutingResult."""
         dtype = torch.promote_types(x.dtype, torch.float32)
-        logits = F.linear(x.to(dtype), self.wg.weight.to(dtype))
+        logits = router_logits(x, self.wg.weight)
         if self.score_func == "softmax":
             scores = torch.softmax(logits, dim=-1)
             probs = scores
