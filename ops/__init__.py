@@ -8,7 +8,8 @@ Every caller uses these functions. Each takes ``backend``:
 The process-wide default can be changed with :func:`set_default_backend` (the ``"lrmoe"`` config's
 ``ops_backend`` key does this).
 
-Shape letters: T tokens, H hidden, N/K a GEMM's output/reduction size, G groups, P pairs, I instances.
+Shape letters: T tokens, H hidden, N/K a GEMM's output/reduction size, G groups, P pairs, I instances,
+E experts (K is also the router's top-k).
 """
 import logging
 from typing import Optional, Sequence
@@ -19,7 +20,8 @@ from . import reference
 
 __all__ = ["routing_plan", "permute", "unpermute", "unpermute_weight_grad", "swiglu", "swiglu_backward",
            "grouped_linear", "grouped_linear_dgrad",
-           "grouped_linear_wgrad", "topk_retention", "capacity_route", "set_default_backend",
+           "grouped_linear_wgrad", "topk_retention", "capacity_route", "router_topk", "router_topk_backward",
+           "set_default_backend",
            "cuda_ops_status", "BACKENDS"]
 
 BACKENDS = ("auto", "torch", "cuda")
@@ -58,11 +60,13 @@ def cuda_ops_status():
     return _cuda_module is not None, (_cuda_error or "built")
 
 
-def _select(name: str, backend: Optional[str], tensor: torch.Tensor):
+def _select(name: str, backend: Optional[str], tensor: torch.Tensor, cuda_takes: bool = True):
+    """The implementation of op ``name`` for ``tensor``. ``cuda_takes``: False where the CUDA op does not
+    take these inputs (a dtype or size outside its range); "auto" then runs the reference."""
     global _fallback_said
     backend = _default_backend if backend in (None, "default") else backend
     _check_backend(backend)
-    if backend == "torch" or (backend == "auto" and not tensor.is_cuda):
+    if backend == "torch" or (backend == "auto" and not (tensor.is_cuda and cuda_takes)):
         return getattr(reference, name)
     ok, reason = cuda_ops_status()
     if ok and hasattr(_cuda_module, name) and tensor.is_cuda:
@@ -147,3 +151,29 @@ def capacity_route(pair_group, pair_rank, instance_group, instance_rank, instanc
     """Assign retained pairs to expert instances under capacities: pair_instance [P] (-1: fits nowhere)."""
     return _select("capacity_route", backend, pair_group)(pair_group, pair_rank, instance_group,
                                                           instance_rank, instance_capacity)
+
+
+ROUTER_CUDA_MAX_EXPERTS = 1024  # kRouterMaxExperts in csrc/kernels.h
+
+
+def _router_cuda_takes(logits: torch.Tensor) -> bool:
+    return logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] <= ROUTER_CUDA_MAX_EXPERTS
+
+
+def router_topk(logits: torch.Tensor, k: int, score_func: str = "softmax", norm_topk_prob: bool = True,
+                score_bias: Optional[torch.Tensor] = None, backend: Optional[str] = None):
+    """The router's top-k math: ``(topk_index [T, K] int64, topk_weight [T, K], counts [E] int64, prob_sum [E])``
+    from logits [T, E]; see reference.router_topk. :func:`router_topk_backward` is its gradient. The CUDA
+    op takes float32 logits and up to 1024 experts; under "auto", other logits (float64) run on the
+    reference, and under "cuda" they raise."""
+    impl = _select("router_topk", backend, logits, _router_cuda_takes(logits))
+    return impl(logits, k, score_func, norm_topk_prob, score_bias)
+
+
+def router_topk_backward(logits: torch.Tensor, topk_index: torch.Tensor, d_topk_weight: torch.Tensor,
+                         d_prob_sum: Optional[torch.Tensor], score_func: str = "softmax", norm_topk_prob: bool = True,
+                         backend: Optional[str] = None) -> torch.Tensor:
+    """d_logits [T, E] of :func:`router_topk` from d_topk_weight [T, K] and d_prob_sum [E] (None: prob_sum
+    unused); see reference.router_topk_backward. Dtypes and backends as :func:`router_topk`."""
+    impl = _select("router_topk_backward", backend, logits, _router_cuda_takes(logits))
+    return impl(logits, topk_index, d_topk_weight, d_prob_sum, score_func, norm_topk_prob)

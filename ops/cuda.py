@@ -135,6 +135,44 @@ def capacity_route(pair_group, pair_rank, instance_group, instance_rank, instanc
     return out
 
 
+def _float32_logits(logits: torch.Tensor, name: str) -> torch.Tensor:
+    if logits.dtype != torch.float32:
+        raise ValueError(f"{name}: the CUDA kernel takes float32 logits, got {logits.dtype}; "
+                         f"float64 runs on the torch reference (backend 'torch', or 'auto', which picks it)")
+    return logits.contiguous()
+
+
+def router_topk(logits: torch.Tensor, k: int, score_func: str = "softmax", norm_topk_prob: bool = True,
+                score_bias: Optional[torch.Tensor] = None):
+    reference._check_router(logits, k, score_func, score_bias)
+    logits = _float32_logits(logits, "router_topk")
+    T, E = logits.shape
+    dev = logits.device
+    topk_index = torch.empty(T, k, dtype=torch.long, device=dev)
+    topk_weight = torch.empty(T, k, dtype=torch.float32, device=dev)
+    counts = torch.empty(E, dtype=torch.long, device=dev)
+    prob_sum = torch.empty(E, dtype=torch.float32, device=dev)
+    if score_bias is not None:  # the reference adds the bias in the logits' dtype too
+        score_bias = score_bias.to(device=dev, dtype=torch.float32).contiguous()
+    load().router_topk(logits, int(k), score_func == "sigmoid", bool(norm_topk_prob), score_bias, topk_index,
+                       topk_weight, counts, prob_sum)
+    return topk_index, topk_weight, counts, prob_sum
+
+
+def router_topk_backward(logits: torch.Tensor, topk_index: torch.Tensor, d_topk_weight: torch.Tensor,
+                         d_prob_sum: Optional[torch.Tensor], score_func: str = "softmax",
+                         norm_topk_prob: bool = True) -> torch.Tensor:
+    K = topk_index.shape[-1] if topk_index.dim() else 0
+    reference._check_router(logits, K, score_func, None, topk_index, d_topk_weight, d_prob_sum)
+    logits = _float32_logits(logits, "router_topk_backward")
+    d_logits = torch.empty_like(logits)
+    if d_prob_sum is not None:
+        d_prob_sum = d_prob_sum.float().contiguous()
+    load().router_topk_backward(logits, topk_index.long().contiguous(), d_topk_weight.float().contiguous(),
+                                d_prob_sum, score_func == "sigmoid", bool(norm_topk_prob), d_logits)
+    return d_logits
+
+
 _FWD, _DGRAD, _WGRAD = 0, 1, 2
 
 

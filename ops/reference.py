@@ -234,3 +234,99 @@ def capacity_route(pair_group: torch.Tensor, pair_rank: torch.Tensor, instance_g
             spare[i] -= n
             start += n
     return out.to(pair_group.device)
+
+
+def _check_router(logits: torch.Tensor, k: int, score_func: str, score_bias: Optional[torch.Tensor] = None,
+                  topk_index: Optional[torch.Tensor] = None, d_topk_weight: Optional[torch.Tensor] = None,
+                  d_prob_sum: Optional[torch.Tensor] = None):
+    """The argument checks of router_topk and router_topk_backward (the CUDA wrappers run them too)."""
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"router_topk: logits must be a float [T, E] tensor, got {logits.dtype} of shape "
+                         f"{tuple(logits.shape)}")
+    T, E = logits.shape
+    if not 1 <= k <= E:
+        raise ValueError(f"router_topk: k must be in [1, E={E}], got {k}")
+    if score_func not in ("softmax", "sigmoid"):
+        raise ValueError(f"router_topk: score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
+    if score_bias is not None and tuple(score_bias.shape) != (E,):
+        raise ValueError(f"router_topk: score_bias must be [E] = [{E}], got shape {tuple(score_bias.shape)}")
+    if topk_index is not None and (tuple(topk_index.shape) != (T, k) or tuple(d_topk_weight.shape) != (T, k)):
+        raise ValueError(f"router_topk_backward: topk_index and d_topk_weight must both be [T, K] = [{T}, {k}]; "
+                         f"got {tuple(topk_index.shape)} and {tuple(d_topk_weight.shape)}")
+    if d_prob_sum is not None and tuple(d_prob_sum.shape) != (E,):
+        raise ValueError(f"router_topk_backward: d_prob_sum must be [E] = [{E}], got shape {tuple(d_prob_sum.shape)}")
+
+
+def _router_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
+    return torch.softmax(logits, dim=-1) if score_func == "softmax" else torch.sigmoid(logits)
+
+
+def router_topk(logits: torch.Tensor, k: int, score_func: str = "softmax", norm_topk_prob: bool = True,
+                score_bias: Optional[torch.Tensor] = None):
+    """The router's top-k math, from logits [T, E] (float32 or float64; the math runs in their dtype).
+
+    scores = softmax(logits) over the experts, or sigmoid(logits) per expert. Each token takes the k
+    experts of highest selection score, scores + score_bias [E] when given (the bias changes only
+    which experts are chosen), ties to the lower expert index.
+    Returns:
+        topk_index [T, K] int64: the chosen experts, in descending order of selection score;
+        topk_weight [T, K]: their scores, renormalised to sum to 1 when norm_topk_prob and k > 1
+            (the sum clamped to the dtype's smallest normal number);
+        counts [E] int64: pairs routed to each expert;
+        prob_sum [E]: sum over tokens of probs[t, e], probs = scores (softmax) or scores / scores.sum(-1)
+            (sigmoid): the load-balancing loss's mean probability times T.
+    Differentiable through plain autograd (the oracle of :func:`router_topk_backward`).
+    """
+    _check_router(logits, k, score_func, score_bias)
+    E = logits.shape[1]
+    scores = _router_scores(logits, score_func)
+    probs = scores if score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
+    select = scores.detach() if score_bias is None else scores.detach() + score_bias.to(logits.dtype)
+    # a stable descending sort: equal selection scores keep the lower expert index first (topk does not promise it)
+    topk_index = torch.sort(select, dim=-1, descending=True, stable=True).indices[:, :k]
+    topk_weight = scores.gather(1, topk_index)
+    if norm_topk_prob and k > 1:
+        topk_weight = topk_weight / topk_weight.sum(-1, keepdim=True).clamp_min(torch.finfo(logits.dtype).tiny)
+    # not torch.bincount: on CUDA it reads the largest index back to the host (a synchronisation)
+    flat = topk_index.flatten()
+    counts = torch.zeros(E, dtype=torch.long, device=logits.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return topk_index, topk_weight, counts, probs.sum(0)
+
+
+def router_topk_backward(logits: torch.Tensor, topk_index: torch.Tensor, d_topk_weight: torch.Tensor,
+                         d_prob_sum: Optional[torch.Tensor], score_func: str = "softmax",
+                         norm_topk_prob: bool = True) -> torch.Tensor:
+    """d_logits [T, E] of :func:`router_topk`'s differentiable outputs (topk_weight and prob_sum), in
+    closed form, from logits [T, E], topk_index [T, K], d_topk_weight [T, K] and d_prob_sum [E] (or
+    None: prob_sum unused).
+
+    With s the scores, w_j = s[i_j] the chosen ones, S = sum_j w_j and D = max(S, tiny):
+      renormalisation (norm_topk_prob, K > 1): dw_j = (g_j - sum_m g_m w_m / D) / D where S >= tiny,
+          else g_j / D (the clamp passes no gradient to S);
+      ds[t, i_j] += dw_j;  prob_sum: ds += d_prob_sum (softmax), or
+          ds += (d_prob_sum - sum_e d_prob_sum[e] p[t, e]) / Z with Z = sum_e s[t, e], p = s / Z (sigmoid);
+      d_logits = s * (ds - sum_e ds[t, e] s[t, e]) (softmax), or ds * s * (1 - s) (sigmoid).
+    """
+    K = topk_index.shape[-1] if topk_index.dim() else 0
+    _check_router(logits, K, score_func, None, topk_index, d_topk_weight, d_prob_sum)
+    dtype = logits.dtype
+    scores = _router_scores(logits, score_func)
+    topk_index = topk_index.long()
+    dw = d_topk_weight.to(dtype)
+    if norm_topk_prob and topk_index.shape[1] > 1:
+        tiny = torch.finfo(dtype).tiny
+        w = scores.gather(1, topk_index)
+        total = w.sum(-1, keepdim=True)
+        denom = total.clamp_min(tiny)
+        dw = torch.where(total >= tiny, (dw - (dw * w).sum(-1, keepdim=True) / denom) / denom, dw / denom)
+    d_scores = torch.zeros_like(scores).scatter_(1, topk_index, dw)  # a row's experts are distinct
+    if d_prob_sum is not None:
+        g = d_prob_sum.to(dtype).unsqueeze(0)
+        if score_func == "softmax":
+            d_scores += g
+        else:
+            z = scores.sum(-1, keepdim=True)
+            d_scores += (g - (g * scores).sum(-1, keepdim=True) / z) / z
+    if score_func == "softmax":
+        return scores * (d_scores - (d_scores * scores).sum(-1, keepdim=True))
+    return d_scores * scores * (1 - scores)

@@ -1,4 +1,6 @@
 """The torch reference ops against plain Python loops (they are the oracle of the CUDA ops)."""
+import itertools
+import math
 import random
 
 import pytest
@@ -116,3 +118,75 @@ def test_swiglu_backward_is_autograds():
     torch.testing.assert_close(a, gate * torch.sigmoid(gate) * up)
     a.backward(da)
     torch.testing.assert_close(ref.swiglu_backward(h.detach(), da), h.grad, rtol=1e-12, atol=1e-12)
+
+
+ROUTER_GRID = list(itertools.product(["softmax", "sigmoid"], [True, False], [1, 2, 7], [False, True], [0, 1, 11]))
+
+
+@pytest.mark.parametrize("score_func,norm,k,bias,T", ROUTER_GRID)
+def test_router_topk_against_loop(score_func, norm, k, bias, T):
+    """Forward against a per-token loop that ranks experts by (-selection score, index)."""
+    gen = torch.Generator().manual_seed(T + 3 * k)
+    E = 7
+    logits = torch.randn(T, E, generator=gen, dtype=torch.float64)
+    if T > 1:
+        logits[1] = torch.tensor([0.5, 2.0, 0.5, 2.0, -1.0, 0.5, 2.0])   # ties: the lower expert wins
+    score_bias = torch.randn(E, generator=gen, dtype=torch.float64) if bias else None
+    index, weight, counts, prob_sum = ref.router_topk(logits, k, score_func, norm, score_bias)
+    assert index.dtype == counts.dtype == torch.long and weight.dtype == prob_sum.dtype == torch.float64
+    assert index.shape == weight.shape == (T, k) and counts.shape == prob_sum.shape == (E,)
+    expect_counts = [0] * E
+    expect_prob_sum = torch.zeros(E, dtype=torch.float64)
+    for t in range(T):
+        row = logits[t].tolist()
+        s = [math.exp(v - max(row)) for v in row] if score_func == "softmax" else [1 / (1 + math.exp(-v)) for v in row]
+        if score_func == "softmax":
+            s = [v / sum(s) for v in s]
+        sel = [v + (float(score_bias[e]) if bias else 0.0) for e, v in enumerate(s)]
+        chosen = sorted(range(E), key=lambda e: (-sel[e], e))[:k]
+        w = [s[e] for e in chosen]
+        if norm and k > 1:
+            w = [v / sum(w) for v in w]
+        assert index[t].tolist() == chosen
+        torch.testing.assert_close(weight[t], torch.tensor(w, dtype=torch.float64), rtol=1e-12, atol=0)
+        for e in chosen:
+            expect_counts[e] += 1
+        expect_prob_sum += torch.tensor(s if score_func == "softmax" else [v / sum(s) for v in s], dtype=torch.float64)
+    assert counts.tolist() == expect_counts
+    torch.testing.assert_close(prob_sum, expect_prob_sum, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("score_func,norm,k,bias,T", ROUTER_GRID)
+@pytest.mark.parametrize("with_prob_grad", [True, False])
+def test_router_topk_backward_is_autograds(score_func, norm, k, bias, T, with_prob_grad):
+    gen = torch.Generator().manual_seed(T + 5 * k)
+    E = 7
+    logits = (2 * torch.randn(T, E, generator=gen, dtype=torch.float64)).requires_grad_(True)
+    score_bias = torch.randn(E, generator=gen, dtype=torch.float64) if bias else None
+    index, weight, _, prob_sum = ref.router_topk(logits, k, score_func, norm, score_bias)
+    d_weight = torch.randn(T, k, generator=gen, dtype=torch.float64)
+    d_prob_sum = torch.randn(E, generator=gen, dtype=torch.float64) if with_prob_grad else None
+    loss = (weight * d_weight).sum() + ((prob_sum * d_prob_sum).sum() if with_prob_grad else 0)
+    if T:
+        loss.backward()
+    expected = logits.grad if T else torch.zeros(0, E, dtype=torch.float64)
+    got = ref.router_topk_backward(logits.detach(), index, d_weight, d_prob_sum, score_func, norm)
+    assert got.shape == (T, E) and got.dtype == torch.float64
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_router_topk_bad_input():
+    logits = torch.randn(3, 4)
+    with pytest.raises(ValueError, match=r"k must be in \[1, E=4\], got 5"):
+        ref.router_topk(logits, 5)
+    with pytest.raises(ValueError, match=r"logits must be a float \[T, E\]"):
+        ref.router_topk(logits[0], 1)
+    with pytest.raises(ValueError, match="score_func"):
+        ref.router_topk(logits, 1, "relu")
+    with pytest.raises(ValueError, match=r"score_bias must be \[E\] = \[4\]"):
+        ref.router_topk(logits, 1, score_bias=torch.zeros(3))
+    index = torch.zeros(3, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"must both be \[T, K\] = \[3, 2\]"):
+        ref.router_topk_backward(logits, index, torch.zeros(3, 1), None)
+    with pytest.raises(ValueError, match=r"d_prob_sum must be \[E\] = \[4\]"):
+        ref.router_topk_backward(logits, index, torch.zeros(3, 2), torch.zeros(5))

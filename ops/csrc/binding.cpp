@@ -13,6 +13,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu_backward", &lrmoe::swiglu_backward_op, "dh of swiglu from h and da");
   m.def("topk_retention", &lrmoe::topk_retention_op, "quota-aware top-k retention per group");
   m.def("capacity_route", &lrmoe::capacity_route_op, "assign retained pairs to instances under capacities");
+  m.def("router_topk", &lrmoe::router_topk_op,
+        "the router's top-k math: topk_index, topk_weight, counts, prob_sum from fp32 logits");
+  m.def("router_topk_backward", &lrmoe::router_topk_backward_op, "d_logits of router_topk");
   m.def("grouped_gemm", &lrmoe::grouped_gemm_op, "segmented GEMM: pass 0 forward, 1 dgrad, 2 wgrad",
         pybind11::arg("pass"), pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("group_tensors"),
         pybind11::arg("group_sizes"), pybind11::arg("out"), pybind11::arg("accumulate"),

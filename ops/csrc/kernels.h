@@ -48,6 +48,18 @@ void swiglu_backward(const void* h, const void* da, DType dtype, int64_t M, int6
 size_t topk_retention(const void* scores, DType stype, int64_t P, const void* group_sizes, IType gtype,
                       const void* quotas, IType qtype, int64_t G, int64_t* kept, int64_t* kept_sizes,
                       void* threshold, int64_t* summary, void* temp, size_t temp_bytes, cudaStream_t stream);
+// The router's top-k math; see router.cu and ops/reference.py router_topk. logits [T, E] fp32 -> topk_index
+// [T, K] int64, topk_weight [T, K] fp32, counts [E] int64, prob_sum [E] fp32; score_bias [E] fp32 or nullptr.
+// 1 <= K <= E <= kRouterMaxExperts.
+constexpr int kRouterMaxExperts = 1024;
+size_t router_topk(const float* logits, const float* score_bias, int64_t T, int E, int K, bool use_sigmoid,
+                   bool norm_topk_prob, int64_t* topk_index, float* topk_weight, int64_t* counts, float* prob_sum,
+                   void* temp, size_t temp_bytes, cudaStream_t stream);
+// Its backward: d_logits [T, E] fp32 from topk_index [T, K] (distinct experts per row), d_topk_weight [T, K]
+// fp32 and d_prob_sum [E] fp32 or nullptr (prob_sum unused).
+void router_topk_backward(const float* logits, const int64_t* topk_index, const float* d_topk_weight,
+                          const float* d_prob_sum, int64_t T, int E, int K, bool use_sigmoid, bool norm_topk_prob,
+                          float* d_logits, cudaStream_t stream);
 // Capacity routing; see retention.cu. pair_instance [P] int64.
 size_t capacity_route(const void* pair_group, const void* pair_rank, IType ptype, int64_t P, const void* instance_group,
                       const void* instance_rank, const void* instance_capacity, IType itype, int64_t I,

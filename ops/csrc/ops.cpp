@@ -1,4 +1,4 @@
-// Tensor glue for the routing, permutation, retention and capacity-routing kernels.
+// Tensor glue for the routing, permutation, retention, capacity-routing and router kernels.
 #include "ops.h"
 
 #include <c10/cuda/CUDAGuard.h>
@@ -207,6 +207,71 @@ void capacity_route_op(const at::Tensor& pair_group, const at::Tensor& pair_rank
   const size_t bytes = args(nullptr, 0);
   at::Tensor temp = scratch(bytes, pair_group);
   args(temp.data_ptr(), bytes);
+}
+
+namespace {
+void check_router_logits(const at::Tensor& logits, const char* name) {
+  check_cuda(logits, name);
+  LRMOE_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, name,
+              " must be a float32 [T, E] tensor (the CUDA kernel computes in fp32; float64 runs on the torch "
+              "reference), got ", logits.scalar_type(), " of shape ", logits.sizes());
+  LRMOE_CHECK(logits.size(1) >= 1 && logits.size(1) <= kRouterMaxExperts, name, ": the CUDA kernel takes 1 to ",
+              kRouterMaxExperts, " experts, got ", logits.size(1));
+}
+void check_router_vector(const at::Tensor& v, const at::Tensor& logits, const char* name) {
+  check_cuda(v, name);
+  LRMOE_CHECK(v.dim() == 1 && v.size(0) == logits.size(1) && v.scalar_type() == at::kFloat &&
+                  v.device() == logits.device(),
+              name, " must be a float32 [E] = [", logits.size(1), "] tensor on ", logits.device(), ", got ",
+              v.scalar_type(), " ", v.sizes(), " on ", v.device());
+}
+}  // namespace
+
+void router_topk_op(const at::Tensor& logits, int64_t k, bool use_sigmoid, bool norm_topk_prob,
+                    const c10::optional<at::Tensor>& score_bias, at::Tensor& topk_index, at::Tensor& topk_weight,
+                    at::Tensor& counts, at::Tensor& prob_sum) {
+  check_router_logits(logits, "router_topk: logits");
+  const int64_t T = logits.size(0), E = logits.size(1);
+  LRMOE_CHECK(k >= 1 && k <= E, "router_topk: k must be in [1, E=", E, "], got ", k);
+  if (score_bias.has_value()) check_router_vector(*score_bias, logits, "router_topk: score_bias");
+  check_out(topk_index, {T, k}, at::kLong, logits, "router_topk: topk_index");
+  check_out(topk_weight, {T, k}, at::kFloat, logits, "router_topk: topk_weight");
+  check_out(counts, {E}, at::kLong, logits, "router_topk: counts");
+  check_out(prob_sum, {E}, at::kFloat, logits, "router_topk: prob_sum");
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const float* bias = score_bias.has_value() ? score_bias->data_ptr<float>() : nullptr;
+  auto args = [&](void* temp, size_t bytes) {
+    return router_topk(logits.data_ptr<float>(), bias, T, (int)E, (int)k, use_sigmoid, norm_topk_prob,
+                       topk_index.data_ptr<int64_t>(), topk_weight.data_ptr<float>(), counts.data_ptr<int64_t>(),
+                       prob_sum.data_ptr<float>(), temp, bytes, stream());
+  };
+  const size_t bytes = args(nullptr, 0);
+  at::Tensor temp = scratch(bytes, logits);
+  args(temp.data_ptr(), bytes);
+}
+
+void router_topk_backward_op(const at::Tensor& logits, const at::Tensor& topk_index, const at::Tensor& d_topk_weight,
+                             const c10::optional<at::Tensor>& d_prob_sum, bool use_sigmoid, bool norm_topk_prob,
+                             at::Tensor& d_logits) {
+  check_router_logits(logits, "router_topk_backward: logits");
+  check_cuda(topk_index, "router_topk_backward: topk_index");
+  check_cuda(d_topk_weight, "router_topk_backward: d_topk_weight");
+  const int64_t T = logits.size(0), E = logits.size(1);
+  LRMOE_CHECK(topk_index.dim() == 2 && topk_index.size(0) == T && topk_index.size(1) >= 1 && topk_index.size(1) <= E &&
+                  topk_index.scalar_type() == at::kLong,
+              "router_topk_backward: topk_index must be an int64 [T, K] tensor with T = ", T, " and 1 <= K <= E = ",
+              E, ", got ", topk_index.scalar_type(), " ", topk_index.sizes());
+  const int64_t K = topk_index.size(1);
+  LRMOE_CHECK(d_topk_weight.sizes() == topk_index.sizes() && d_topk_weight.scalar_type() == at::kFloat &&
+                  d_topk_weight.device() == logits.device(),
+              "router_topk_backward: d_topk_weight must be a float32 [T, K] = ", topk_index.sizes(), " tensor on ",
+              logits.device(), ", got ", d_topk_weight.scalar_type(), " ", d_topk_weight.sizes());
+  if (d_prob_sum.has_value()) check_router_vector(*d_prob_sum, logits, "router_topk_backward: d_prob_sum");
+  check_out(d_logits, {T, E}, at::kFloat, logits, "router_topk_backward: d_logits");
+  const c10::cuda::CUDAGuard guard(logits.device());
+  router_topk_backward(logits.data_ptr<float>(), topk_index.data_ptr<int64_t>(), d_topk_weight.data_ptr<float>(),
+                       d_prob_sum.has_value() ? d_prob_sum->data_ptr<float>() : nullptr, T, (int)E, (int)K,
+                       use_sigmoid, norm_topk_prob, d_logits.data_ptr<float>(), stream());
 }
 
 }  // namespace lrmoe

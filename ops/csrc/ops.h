@@ -40,6 +40,12 @@ void topk_retention_op(const at::Tensor& scores, const at::Tensor& group_sizes, 
                        at::Tensor& kept, at::Tensor& kept_sizes, at::Tensor& threshold, at::Tensor& summary);
 void capacity_route_op(const at::Tensor& pair_group, const at::Tensor& pair_rank, const at::Tensor& instance_group,
                        const at::Tensor& instance_rank, const at::Tensor& instance_capacity, at::Tensor& out);
+void router_topk_op(const at::Tensor& logits, int64_t k, bool use_sigmoid, bool norm_topk_prob,
+                    const c10::optional<at::Tensor>& score_bias, at::Tensor& topk_index, at::Tensor& topk_weight,
+                    at::Tensor& counts, at::Tensor& prob_sum);
+void router_topk_backward_op(const at::Tensor& logits, const at::Tensor& topk_index, const at::Tensor& d_topk_weight,
+                             const c10::optional<at::Tensor>& d_prob_sum, bool use_sigmoid, bool norm_topk_prob,
+                             at::Tensor& d_logits);
 
 // pass 0 forward, 1 dgrad, 2 wgrad (kernels.h); returns whether the CUTLASS kernel ran.
 bool grouped_gemm_op(int64_t pass, const at::Tensor& a, const c10::optional<at::Tensor>& b,
