@@ -1,10 +1,16 @@
-"""Router: token scores, top-k selection, gate weights and the router's auxiliary losses."""
+"""Router: token scores, top-k selection, gate weights and the router's auxiliary losses.
+
+Two autograd nodes: the logits GEMM (:mod:`lrmoe_ds.router_gemm`) and the top-k math
+(:class:`RouterTopK`, the fused op ``ops.router_topk``); the aux loss is two torch ops on the op's counts
+and probability sums, and the z-loss a logsumexp of the logits."""
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
 
+from lrmoe_ds import ops
+from lrmoe_ds.pipeline import apply_fast
 from lrmoe_ds.router_gemm import router_logits
 
 
@@ -38,6 +44,32 @@ class _AddLossGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, torch.full(ctx.loss_shape, ctx.coef, dtype=grad.dtype, device=grad.device), None
+
+
+class RouterTopK(torch.autograd.Function):
+    """:func:`lrmoe_ds.ops.router_topk` as one autograd node, with :func:`lrmoe_ds.ops.router_topk_backward`
+    as its backward: logits [T, E] -> (topk_index [T, K], topk_weight [T, K], counts [E], prob_sum [E]);
+    topk_weight and prob_sum are differentiable."""
+
+    @staticmethod
+    def forward(ctx, logits, k, score_func, norm_topk_prob, score_bias):
+        topk_index, topk_weight, counts, prob_sum = ops.router_topk(logits, k, score_func, norm_topk_prob, score_bias)
+        ctx.mark_non_differentiable(topk_index, counts)
+        ctx.set_materialize_grads(False)  # an unused output (prob_sum without the aux loss) costs nothing
+        ctx.save_for_backward(logits, topk_index)
+        ctx.score_func, ctx.norm_topk_prob = score_func, norm_topk_prob
+        return topk_index, topk_weight, counts, prob_sum
+
+    @staticmethod
+    def backward(ctx, d_topk_index, d_topk_weight, d_counts, d_prob_sum):
+        logits, topk_index = ctx.saved_tensors
+        if d_topk_weight is None and d_prob_sum is None:
+            return None, None, None, None, None
+        if d_topk_weight is None:
+            d_topk_weight = logits.new_zeros(topk_index.shape)
+        d_logits = ops.router_topk_backward(logits, topk_index, d_topk_weight, d_prob_sum, ctx.score_func,
+                                            ctx.norm_topk_prob)
+        return d_logits, None, None, None, None
 
 
 class Router(nn.Module):
@@ -74,26 +106,12 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> RoutingResult:
         """x [T, H] -> RoutingResult."""
-        dtype = torch.promote_types(x.dtype, torch.float32)
         logits = router_logits(x, self.wg.weight)
-        if self.score_func == "softmax":
-            scores = torch.softmax(logits, dim=-1)
-            probs = scores
-        else:
-            scores = torch.sigmoid(logits)
-            probs = scores / scores.sum(-1, keepdim=True)
-        select = scores.detach() if self.score_bias is None else scores.detach() + self.score_bias.to(dtype)
-        topk_index = torch.topk(select, self.k, dim=-1).indices
-        topk_weight = scores.gather(1, topk_index)
-        if self.norm_topk_prob and self.k > 1:
-            topk_weight = topk_weight / topk_weight.sum(-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
-        # not torch.bincount: on CUDA it reads the largest index back to the host (a synchronisation)
-        flat = topk_index.flatten()
-        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).scatter_add_(
-            0, flat, torch.ones_like(flat))
+        topk_index, topk_weight, counts, prob_sum = apply_fast(
+            RouterTopK, logits, self.k, self.score_func, self.norm_topk_prob, self.score_bias)
         # Switch/GShard balance loss over all k choices: E * sum_e mean_prob_e * pair_fraction_e
-        pair_fraction = counts.to(dtype) / max(topk_index.numel(), 1)
-        mean_prob = probs.sum(0) / max(x.shape[0], 1)  # a rank may hold no token: loss 0, not NaN
+        pair_fraction = counts.to(logits.dtype) / max(topk_index.numel(), 1)
+        mean_prob = prob_sum / max(x.shape[0], 1)  # a rank may hold no token: loss 0, not NaN
         aux_loss = self.num_experts * torch.sum(mean_prob * pair_fraction)
         if self.z_loss_coef > 0 and self.training:
             z_loss = torch.logsumexp(logits, dim=-1).square().mean()

@@ -73,3 +73,32 @@ def test_other_dtypes_keep_the_plain_path():
     assert torch.equal(mixed, F.linear(x.bfloat16().float(), w))
     empty = router_gemm.router_logits(x[:0].bfloat16(), w.bfloat16())
     assert empty.shape == (0, 8) and empty.dtype == torch.float32
+
+
+@pytest.mark.parametrize("score_func,k,bias", [("softmax", 8, False), ("sigmoid", 4, True)])
+def test_bf16_router_matches_its_fp64_math(score_func, k, bias):
+    """The whole router on CUDA in bf16 (the logits GEMM above, the fused top-k op where the CUDA ops
+    build) against the router's previous torch math in fp64 on the same rounded weights and inputs."""
+    from lrmoe_ds.router import Router
+    from test_router import previous_router_forward
+
+    torch.manual_seed(0)
+    router = Router(256, 64, k, score_func, expert_bias=bias, z_loss_coef=0.01)
+    if bias:
+        router.score_bias.normal_()
+    router = router.cuda().bfloat16()
+    ref = Router(256, 64, k, score_func, expert_bias=bias, z_loss_coef=0.01).double()
+    ref.load_state_dict({n: t.double().cpu() for n, t in router.state_dict().items()})
+    x = torch.randn(2000, 256, device="cuda").bfloat16().requires_grad_(True)
+    x_ref = x.detach().double().cpu().requires_grad_(True)
+    out = router(x)
+    index, weight, counts, aux, z = previous_router_forward(ref, x_ref)
+    same = (out.topk_index.cpu() == index).all(1)  # fp32 and fp64 logits may swap near-ties
+    assert float(same.double().mean()) > 0.98
+    assert int(out.counts.sum()) == 2000 * k
+    assert rel(out.topk_weight[same.cuda()], weight[same]) < 1e-5
+    assert abs(float(out.aux_loss.detach()) - float(aux.detach())) < 1e-2 * float(aux.detach())
+    d_weight = torch.randn(2000, k, dtype=torch.float64)
+    ((out.topk_weight.double() * d_weight.cuda()).sum() + out.aux_loss).backward()
+    ((weight * d_weight).sum() + aux + 0.01 * z).backward()
+    assert rel(x.grad, x_ref.grad) < 2e-2 and rel(router.wg.weight.grad, ref.wg.weight.grad) < 2e-2
