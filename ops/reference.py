@@ -305,7 +305,8 @@ def router_topk_backward(logits: torch.Tensor, topk_index: torch.Tensor, d_topk_
           else g_j / D (the clamp passes no gradient to S);
       ds[t, i_j] += dw_j;  prob_sum: ds += d_prob_sum (softmax), or
           ds += (d_prob_sum - sum_e d_prob_sum[e] p[t, e]) / Z with Z = sum_e s[t, e], p = s / Z (sigmoid);
-      d_logits = s * (ds - sum_e ds[t, e] s[t, e]) (softmax), or ds * s * (1 - s) (sigmoid).
+      d_logits = s * (ds - sum_e ds[t, e] s[t, e]) (softmax), or ds * s * (1 - s) (sigmoid, with 1 - s
+          computed as exp(-x) s where x >= 0).
     """
     K = topk_index.shape[-1] if topk_index.dim() else 0
     _check_router(logits, K, score_func, None, topk_index, d_topk_weight, d_prob_sum)
@@ -329,4 +330,7 @@ def router_topk_backward(logits: torch.Tensor, topk_index: torch.Tensor, d_topk_
             d_scores += (g - (g * scores).sum(-1, keepdim=True) / z) / z
     if score_func == "softmax":
         return scores * (d_scores - (d_scores * scores).sum(-1, keepdim=True))
-    return d_scores * scores * (1 - scores)
+    # 1 - s as exp(-x) s where x >= 0: no cancellation where s is near 1 (in fp32, 1 - s would keep
+    # few bits of a saturated expert's derivative)
+    one_minus_scores = torch.where(logits >= 0, torch.exp(-logits) * scores, 1 - scores)
+    return d_scores * scores * one_minus_scores

@@ -51,9 +51,8 @@ struct RowScores {
 // Loads the row's logits into x (-inf past E), returns its RowScores and fills s with the scores.
 template <int VPT>
 __device__ __forceinline__ RowScores load_scores(const float* __restrict__ row, int E, bool use_sigmoid, int lane,
-                                                 float (&s)[VPT]) {
+                                                 float (&x)[VPT], float (&s)[VPT]) {
   RowScores rs{use_sigmoid, 0.f, 1.f};
-  float x[VPT];
 #pragma unroll
   for (int j = 0; j < VPT; ++j) {
     const int e = lane + 32 * j;
@@ -101,8 +100,8 @@ __global__ void __launch_bounds__(kThreads) router_topk_kernel(
   }
   const int64_t row_begin = blockIdx.x * rows_per_block, row_end = min(T, row_begin + rows_per_block);
   for (int64_t t = row_begin + warp; t < row_end; t += kWarps) {
-    float s[VPT];
-    load_scores<VPT>(logits + t * E, E, use_sigmoid, lane, s);
+    float x[VPT], s[VPT];
+    load_scores<VPT>(logits + t * E, E, use_sigmoid, lane, x, s);
     // probs: the scores (softmax), or the scores over their row sum (sigmoid)
     float z = 1.f;
     if (use_sigmoid) {
@@ -206,8 +205,8 @@ __global__ void __launch_bounds__(kThreads) router_topk_backward_kernel(
 
   for (int64_t t = (int64_t)blockIdx.x * kWarps + warp; t < T; t += (int64_t)gridDim.x * kWarps) {
     const float* row = logits + t * E;
-    float s[VPT], g[VPT];
-    const RowScores rs = load_scores<VPT>(row, E, use_sigmoid, lane, s);
+    float x[VPT], s[VPT], g[VPT];
+    const RowScores rs = load_scores<VPT>(row, E, use_sigmoid, lane, x, s);
     // prob_sum's part: ds = gp (softmax); ds = (gp - sum_e gp_e s_e / z) / z with z = sum_e s_e (sigmoid)
     if (use_sigmoid && d_prob_sum != nullptr) {
       float z = 0.f, gs = 0.f;
@@ -260,8 +259,12 @@ __global__ void __launch_bounds__(kThreads) router_topk_backward_kernel(
 
     float out[VPT];
     if (use_sigmoid) {
+      // 1 - s as exp(-x) s where x >= 0 (no cancellation near s = 1), as the reference
 #pragma unroll
-      for (int j = 0; j < VPT; ++j) out[j] = g[j] * s[j] * (1.f - s[j]);
+      for (int j = 0; j < VPT; ++j) {
+        const float one_minus_s = x[j] >= 0.f ? expf(-x[j]) * s[j] : 1.f - s[j];
+        out[j] = g[j] * s[j] * one_minus_s;
+      }
     } else {
       float gs = 0.f;
 #pragma unroll
