@@ -4,13 +4,15 @@ dropless layer on torch._grouped_mm (the anchor), LRMoE exact and LRMoE with ret
 
     python3 benchmarks/bench_layer.py --out benchmarks/results/layer_retention_h200.md
 
-Per row: median of CUDA-event timings of a full forward + backward (timing.median_ms; the .grad reset
-before each step is not timed); speed ratios
+Per row: median of CUDA-event timings of a full forward + backward, the rows of a table timed in turns
+(timing.median_ms_interleaved: each round times every row once, in an order rotating per round, so that a
+drift of the GPU's clocks favours no row; the .grad reset and the layer's reconfiguration before each step
+are not timed); speed ratios
 (the anchor's, DeepSpeed's time / this time); the activation memory held after the forward and the
 peak memory of one forward + backward, both above what was allocated before the forward (layer and
 inputs; .grad is set to None before every step, as DeepSpeed's optimizers leave it), in GiB.
 TFLOP/s counts the exact layer's useful expert FLOPs (3 passes x 2 x pairs x 3 H F), also for
-retention, which does less work. The layers wait on the CPU in bf16; one at a time is on the GPU.
+retention, which does less work. All the layers of a shape are on the GPU together (bf16).
 """
 import argparse
 import os
@@ -21,7 +23,7 @@ import sys
 import deepspeed
 import torch
 import torch.nn.functional as F
-from timing import median_ms
+from timing import median_ms_interleaved
 from torch import nn
 
 import lrmoe_ds
@@ -69,7 +71,7 @@ def parse_args(argv=None):
     p.add_argument("--policies", nargs="+", choices=["stash", "recompute", "auto"], default=["stash", "recompute"])
     p.add_argument("--router_grad", choices=["exact", "retained"], default="exact")
     p.add_argument("--metric", choices=["grad_norm", "gate", "uniform"], default="grad_norm")
-    p.add_argument("--reps", type=int, default=10, help="timed forward + backward steps per row")
+    p.add_argument("--reps", type=int, default=15, help="timed forward + backward steps per row")
     p.add_argument("--out", default=None, help="write the markdown here (rewritten after every row)")
     return p.parse_args(argv)
 
@@ -117,22 +119,23 @@ def to_device_flat(layer, dev):
     return layer
 
 
-def measure(layer, x, grad, reps):
-    """(median ms, (GiB held for the backward after the forward, GiB at the peak of one forward +
-    backward)), both above what was allocated before the forward."""
-    def clear():
-        # .grad set to None before every step, as DeepSpeed's optimizers leave it after every backward (they
-        # take the gradients into their own buffers): autograd then keeps the new gradients instead of adding
-        # them. Not timed: it is the optimizer's work (a loop over the parameters), not the layer's.
-        layer.zero_grad(set_to_none=True)
+def clear_grads(layer):
+    """.grad set to None, as DeepSpeed's optimizers leave it after every backward (they take the gradients
+    into their own buffers): autograd then keeps the new gradients instead of adding them. Not timed: it is
+    the optimizer's work (a loop over the parameters), not the layer's."""
+    layer.zero_grad(set_to_none=True)
 
-    def step():
-        xi = x.detach().requires_grad_(True)
-        layer(xi)[0].backward(grad)
 
-    clear()
-    step()  # warm-up
-    clear()
+def step(layer, x, grad):
+    layer(x.detach().requires_grad_(True))[0].backward(grad)
+
+
+def memory(layer, x, grad):
+    """(GiB held for the backward after the forward, GiB at the peak of one forward + backward), both above
+    what was allocated before the forward; after a warm-up step."""
+    clear_grads(layer)
+    step(layer, x, grad)  # warm-up
+    clear_grads(layer)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -143,7 +146,8 @@ def measure(layer, x, grad, reps):
     del out
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    return median_ms(step, reps=reps, warmup=2, inner=1, setup=clear), (held / GIB, peak / GIB)
+    clear_grads(layer)
+    return held / GIB, peak / GIB
 
 
 def ratio(a, b, fmt="{:.2f}"):
@@ -204,9 +208,9 @@ def main():
     for shape in args.shapes:
         title, H, Fh, E, k = SHAPES[shape]
         layers = {}
-        for kind in dict.fromkeys(kind for _, kind, _ in specs):  # built once per shape, kept on the CPU in bf16
+        for kind in dict.fromkeys(kind for _, kind, _ in specs):  # built once per shape
             torch.manual_seed(0)
-            layers[kind] = build(kind, H, Fh, E, k).to(dt)
+            layers[kind] = to_device_flat(build(kind, H, Fh, E, k).to(dt), dev)
         for T in args.tokens:
             emit(f"## {title} (H {H}, F {Fh} SwiGLU, {E} experts, top-{k}), {T} tokens", "",
                  "| layer | ms | TFLOP/s | speed vs anchor | speed vs DeepSpeed | held GiB | held vs 1.0 stash | "
@@ -216,26 +220,28 @@ def main():
             x = torch.randn(T, H, device=dev, dtype=dt)
             grad = torch.randn_like(x)
             flops = 3 * 2 * T * k * 3 * H * Fh
-            ms, mem, failed, on_gpu = {}, {}, {}, None
+            ms, mem, failed = {}, {}, {}
 
-            for name, kind, block in specs:
-                if on_gpu != kind:
-                    if on_gpu is not None:
-                        layers[on_gpu] = layers[on_gpu].cpu()
-                        torch.cuda.empty_cache()
-                    layers[kind], on_gpu = to_device_flat(layers[kind], dev), kind
-                layer = layers[kind]
-                try:
+            def prepare(layer, block):
+                def run():
                     if block is not None:
                         layer.configure(lrmoe_ds.LRMoEConfig(**block))
-                    ms[name], mem[name] = measure(layer, x, grad, args.reps)
+                    clear_grads(layer)
+                return run
+
+            fns, setups = {}, {}
+            for name, kind, block in specs:  # memory, one row at a time; a row that fails is left out
+                layer = layers[kind]
+                try:
+                    prepare(layer, block)()
+                    mem[name] = memory(layer, x, grad)
+                    fns[name], setups[name] = (lambda layer=layer: step(layer, x, grad)), prepare(layer, block)
                 except Exception as err:  # noqa: BLE001  (one failing row must not lose the others)
                     failed[name] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:120]}"
-                layer.zero_grad(set_to_none=True)
                 torch.cuda.empty_cache()
-                print(render(name, ms, mem, failed, flops), flush=True)
-                write([render(n, ms, mem, failed, flops) for n, _, _ in specs if n in ms or n in failed])
-            layers[on_gpu] = layers[on_gpu].cpu()
+            ms = median_ms_interleaved(fns, reps=args.reps, warmup=1, inner=1, setups=setups)
+            for n in layers.values():
+                clear_grads(n)
             del x, grad
             torch.cuda.empty_cache()
             table = [render(n, ms, mem, failed, flops) for n, _, _ in specs]  # now with every ratio

@@ -29,18 +29,22 @@ def median_ms(fn, reps=10, warmup=2, inner=5, setup=None):
     return statistics.median(_time_once(fn, inner, setup) for _ in range(reps))
 
 
-def median_ms_interleaved(fns, reps=15, warmup=2, inner=5):
+def median_ms_interleaved(fns, reps=15, warmup=2, inner=5, setups=None):
     """{name: median ms} for several functions timed in turns: each rep times every function once, the
     order rotating from rep to rep. Timing one function's reps all before the next lets a drift of the
-    GPU's clocks (it heats up) favour whichever runs first; in turns, every one sees the same drift."""
+    GPU's clocks (it heats up) favour whichever runs first; in turns, every one sees the same drift.
+    ``setups``: {name: callable} run before each of that function's timings (and warm-ups), untimed."""
     names = list(fns)
+    setups = setups or {}
     for _ in range(warmup):
         for name in names:
+            if name in setups:
+                setups[name]()
             fns[name]()
     torch.cuda.synchronize()
     times = {name: [] for name in names}
     for rep in range(reps):
         for i in range(len(names)):
             name = names[(rep + i) % len(names)]
-            times[name].append(_time_once(fns[name], inner))
+            times[name].append(_time_once(fns[name], inner, setups.get(name)))
     return {name: statistics.median(t) for name, t in times.items()}
