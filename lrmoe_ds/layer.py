@@ -14,10 +14,11 @@ from deepspeed.utils import log_dist
 from torch import nn
 
 from lrmoe_ds import ops
+from lrmoe_ds.autograd import apply_fast
 from lrmoe_ds.config import LRMoEConfig
 from lrmoe_ds.dispatcher import AllToAllDispatcher, DispatchPlan
 from lrmoe_ds.experts import EXPERT_TYPES, GroupedExperts
-from lrmoe_ds.pipeline import RoutedMLP, apply_fast
+from lrmoe_ds.pipeline import RoutedMLP
 from lrmoe_ds.quotas import MemoryPlan, RetentionStats, expert_row_bytes, plan_quotas, rank_shares
 from lrmoe_ds.retention import BackwardSpec
 from lrmoe_ds.router import Router

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lrmoe_ds import ops
-from lrmoe_ds.pipeline import apply_fast
+from lrmoe_ds.autograd import apply_fast
 from lrmoe_ds.router_gemm import router_logits
 
 
