@@ -1,5 +1,5 @@
 """Convergence of retention: train.py three times on one ds_config, same seed and steps, with the "lrmoe" block
-set to exact (enabled false), retention 0.5 by grad_norm, and retention 0.5 by uniform sampling.
+set to exact (enabled false), retention 0.5 (--ratio) by grad_norm, and retention 0.5 by uniform sampling.
 
     python3 benchmarks/convergence.py --base_config ds_configs/h200.json --num_gpus 1
     python3 benchmarks/convergence.py --base_config ds_configs/cpu_ep2.json --num_gpus 2 --steps 20 \\
@@ -24,11 +24,14 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUNS = {  # --runs name: (label, keys set in the "lrmoe" block)
-    "exact": ("exact (enabled false)", {"enabled": False, "retention_ratio": 1.0}),
-    "grad_norm": ("retention 0.5, grad_norm", {"enabled": True, "retention_ratio": 0.5, "metric": "grad_norm"}),
-    "uniform": ("retention 0.5, uniform", {"enabled": True, "retention_ratio": 0.5, "metric": "uniform"}),
-}
+RUN_NAMES = ("exact", "grad_norm", "uniform")
+
+
+def run_spec(run, ratio):
+    """(label, keys set in the "lrmoe" block) of a --runs name at retention ``ratio``."""
+    if run == "exact":
+        return "exact (enabled false)", {"enabled": False, "retention_ratio": 1.0}
+    return f"retention {ratio:g}, {run}", {"enabled": True, "retention_ratio": ratio, "metric": run}
 
 
 def parse_args(argv=None):
@@ -39,7 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--micro_batch", type=int, default=None,
                    help="train_micro_batch_size_per_gpu for every run (default: the base config's)")
-    p.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
+    p.add_argument("--runs", nargs="+", choices=RUN_NAMES, default=list(RUN_NAMES))
+    p.add_argument("--ratio", type=float, default=0.5, help="retention_ratio of the grad_norm and uniform runs")
     p.add_argument("--name", default=None, help="results are convergence_<name>.md/.png (default: the config's name)")
     p.add_argument("--out_dir", default=os.path.join(ROOT, "benchmarks", "results"))
     p.add_argument("--work_dir", default=None, help="configs, logs, summaries, csv (default: runs/convergence_<name>)")
@@ -64,7 +68,7 @@ def read_csv(path):
 def launch(args, run, base):
     """Run train.py for one run; returns its result dict (summary, curves, rc, wall seconds)."""
     config = json.loads(json.dumps(base))
-    config["lrmoe"] = {**(config.get("lrmoe") or {}), **RUNS[run][1]}
+    config["lrmoe"] = {**(config.get("lrmoe") or {}), **run_spec(run, args.ratio)[1]}
     if args.micro_batch:
         config["train_micro_batch_size_per_gpu"] = args.micro_batch
         config.pop("train_batch_size", None)  # derived again by DeepSpeed from the micro batch
@@ -134,7 +138,7 @@ def report(args, results, cmd, base_micro):
              "| run | lrmoe block | final held-out loss | gap to exact | grad norm, first / last fifth | train s | wall s |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
-        label, block = RUNS[r["run"]][0], json.dumps(RUNS[r["run"]][1])
+        label, block = run_spec(r["run"], args.ratio)[0], json.dumps(run_spec(r["run"], args.ratio)[1])
         s = r["summary"]
         if s is None:
             lines.append(f"| {label} | `{block}` | failed (rc {r['rc']}, `{r['log']}`) | | | | |")
@@ -144,7 +148,7 @@ def report(args, results, cmd, base_micro):
         lines.append(f"| {label} | `{block}` | {s['end_loss']:.4f} | {gap} | {_norm_fifths(r['grad_norm'])} | "
                      f"{s['train_seconds']:.0f} | {wall} |")
     steps = sorted({st for r in results for st, _ in r["eval"]})
-    lines += ["", "Held-out loss at every eval:", "", "| step | " + " | ".join(RUNS[r["run"]][0] for r in results) + " |",
+    lines += ["", "Held-out loss at every eval:", "", "| step | " + " | ".join(run_spec(r["run"], args.ratio)[0] for r in results) + " |",
               "| --- |" + " --- |" * len(results)]
     for st in steps:
         vals = [dict(r["eval"]).get(st) for r in results]
@@ -159,7 +163,7 @@ def plot(args, results, path):
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, r in enumerate(results):
-        color, label = f"C{i}", RUNS[r["run"]][0]
+        color, label = f"C{i}", run_spec(r["run"], args.ratio)[0]
         if r["train"]:
             steps, raw = zip(*r["train"])
             a = args.smooth if args.smooth is not None else max(0.0, 1 - 50 / len(raw))  # ~len/50 points of memory
@@ -171,7 +175,7 @@ def plot(args, results, path):
             ax.plot(steps, smoothed, color=color, alpha=0.9, label=f"{label}: train (EMA {a:.2f})")
         if r["eval"]:
             ax.plot(*zip(*r["eval"]), "o--", color=color, markersize=5, linewidth=0.8, label=f"{label}: held-out")
-    ax.set(xlabel="step", ylabel="loss (nats/byte)", title=f"train.py, {args.name}: exact vs retention 0.5")
+    ax.set(xlabel="step", ylabel="loss (nats/byte)", title=f"train.py, {args.name}: exact vs retention {args.ratio:g}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

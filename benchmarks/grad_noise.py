@@ -1,0 +1,230 @@
+"""How much noise retention adds to the gradient, against the noise the minibatch already has.
+
+One process on the CPU (ep_size 1), train.py's model and corpus. First a short exact pre-training
+(torch AdamW, so that the gradients are those of a model that has learnt something), then, with the
+weights frozen:
+  - minibatch noise: exact gradients G_b of --batches different batches; noise_mb = mean_b ||G_b - mean G||^2;
+  - retention noise, per variant (metric, selection, ratio): --samples gradients of batch 0 with
+    different sampling seeds; noise_ret = mean_s ||G_s - G_0||^2, and the bias ||mean_s G_s - G_0||^2
+    (an unbiased estimator's bias shrinks like noise_ret / samples);
+per parameter group (expert gate_up, expert down, router, the rest). noise_ret / noise_mb = 1 means
+retention adds as much variance as the minibatch has: for those parameters the step is as noisy as
+one of half the batch.
+  - which metric would sample best: the exact backward of batch 0 records, per routed row, the norms
+    that make its expert weight-gradient terms (dy a^T for the down projection, dh x^T for gate_up, a the
+    activation, dh its gradient); for each candidate metric m the variance of a Horvitz-Thompson estimate
+    with inclusion probabilities min(1, m / tau) (sum = each expert's water-fill quota) is
+    sum_p (1/pi_p - 1) ||term_p||^2. The "oracle" metric is the terms' own norm (the best possible).
+
+    python3 benchmarks/grad_noise.py --out benchmarks/results/grad_noise_cpu.md
+"""
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import lrmoe_ds  # noqa: E402
+import train  # noqa: E402  (the model and corpus of train.py)
+from lrmoe_ds import ops, pipeline  # noqa: E402
+from lrmoe_ds.quotas import plan_quotas  # noqa: E402
+
+GROUPS = ("expert gate_up", "expert down", "router", "rest")
+
+
+def group_of(name):
+    if "deepspeed_experts" in name:
+        return "expert gate_up" if "gate_up_proj" in name else "expert down"
+    return "router" if ".gate.wg." in name else "rest"
+
+
+def configure(model, **lrmoe):
+    cfg = lrmoe_ds.LRMoEConfig(**lrmoe)
+    for i, layer in enumerate(lrmoe_ds.integration.lrmoe_layers(model)):
+        layer.configure(cfg, layer_number=i)
+
+
+def gradient(model, rows, aux_coef):
+    """{group: flat gradient (float64)} of one batch."""
+    model.zero_grad(set_to_none=True)
+    lm, aux, _ = model(rows[:, :-1], rows[:, 1:])
+    (lm + aux_coef * aux).backward()
+    out = {g: [] for g in GROUPS}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            out[group_of(name)].append(p.grad.detach().double().flatten())
+    return {g: torch.cat(v) for g, v in out.items() if v}
+
+
+def sq(a):
+    return {g: float(v.square().sum()) for g, v in a.items()}
+
+
+def sub(a, b):
+    return {g: a[g] - b[g] for g in a}
+
+
+def mean(gs):
+    return {g: torch.stack([x[g] for x in gs]).mean(0) for g in gs[0]}
+
+
+def record_row_norms(model, rows, aux_coef):
+    """Per layer, from the exact backward of one batch: (group sizes [E], {name: [P] norms}) with dy, x,
+    a (the activation) and dh (its gradient) per routed row, in grouped order."""
+    records, original = [], pipeline.mlp_backward
+
+    def recording(handed, w1, w2, expert_type, group_sizes, want_output_dot=False):
+        x, h, dy = handed.x, handed.h, handed.dy
+        h = ops.grouped_linear(x, w1, group_sizes) if h is None else h
+        a = expert_type.act(h)
+        dh = expert_type.act_backward(h, ops.grouped_linear_dgrad(dy, w2, group_sizes))
+        records.append((group_sizes.detach().cpu().long(), {n: t.detach().double().norm(dim=1) for n, t in
+                                                            (("dy", dy), ("x", x), ("a", a), ("dh", dh))}))
+        return original(handed, w1, w2, expert_type, group_sizes, want_output_dot)
+
+    pipeline.mlp_backward = recording
+    try:
+        gradient(model, rows, aux_coef)
+    finally:
+        pipeline.mlp_backward = original
+    return records[::-1]  # the backward runs the layers last to first
+
+
+def inclusion(m, q):
+    """Poisson PPS inclusion probabilities min(1, m / tau) with sum q (m > 0 [n], 0 <= q <= n)."""
+    n = m.numel()
+    if q >= n:
+        return torch.ones_like(m)
+    pi = torch.zeros_like(m)
+    if q == 0:
+        return pi
+    order = torch.argsort(m, descending=True)
+    ms = m[order]
+    tail = ms.flip(0).cumsum(0).flip(0)  # tail[j] = sum of ms[j:]
+    for j in range(q):  # the j largest are certain; the rest share q - j in proportion to m
+        tau = tail[j] / (q - j)
+        if ms[j] <= tau:
+            pi[order[j:]] = ms[j:] / tau
+            pi[order[:j]] = 1.0
+            return pi.clamp(max=1.0)
+    pi[order[:q]] = 1.0
+    return pi
+
+
+METRICS = {  # candidate pair metrics from the recorded row norms (g_p ||dout_t|| = ||dy_p||)
+    "uniform": lambda r: torch.ones_like(r["dy"]),
+    "grad_norm (||dy|| ||x||)": lambda r: r["dy"] * r["x"],
+    "||dy|| ||a||": lambda r: r["dy"] * r["a"],
+    "||dy|| sqrt(||a||^2 + ||x||^2)": lambda r: r["dy"] * (r["a"] ** 2 + r["x"] ** 2).sqrt(),
+    "oracle (term norms)": lambda r: ((r["dy"] * r["a"]) ** 2 + (r["dh"] * r["x"]) ** 2).sqrt(),
+}
+
+
+def predicted_variance(records, ratio):
+    """{metric: summed Horvitz-Thompson variance of the expert weight gradients} at one ratio."""
+    out = {name: 0.0 for name in METRICS}
+    for sizes, r in records:
+        w = (r["dy"] * r["a"]) ** 2 + (r["dh"] * r["x"]) ** 2  # ||term_p||^2, both projections
+        quotas = plan_quotas(sizes, ratio)
+        bounds = [0] + sizes.cumsum(0).tolist()
+        for name, fn in METRICS.items():
+            m = fn(r).clamp_min(1e-30)
+            for e in range(sizes.numel()):
+                lo, hi = bounds[e], bounds[e + 1]
+                if hi > lo:
+                    pi = inclusion(m[lo:hi], int(quotas[e]))
+                    keep = pi > 0
+                    out[name] += float(((1 / pi[keep] - 1) * w[lo:hi][keep]).sum()) + (
+                        float("inf") if bool((~keep & (w[lo:hi] > 0)).any()) else 0.0)
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--deepspeed_config", default=os.path.join(ROOT, "ds_configs", "cpu_ep2.json"),
+                   help="train.py's model flags come from its train_py block and train.py's defaults")
+    p.add_argument("--batch", type=int, default=32, help="windows per batch (cpu_ep2: 2 ranks x 16)")
+    p.add_argument("--pretrain_steps", type=int, default=200)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--batches", type=int, default=8, help="batches for the minibatch noise")
+    p.add_argument("--samples", type=int, default=16, help="sampling seeds per retention variant")
+    p.add_argument("--ratio", type=float, nargs="+", default=[0.5])
+    p.add_argument("--metrics", nargs="+", default=["grad_norm", "gate", "uniform"])
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    targs = train.parse_args(["--deepspeed_config", args.deepspeed_config, "--ep_size", "1", "--seed", str(args.seed)])
+    torch.manual_seed(args.seed)
+    model = train.ByteMoELM(targs)
+    data, _, desc = train.load_corpus(targs.data, targs.train_bytes, targs.val_bytes, targs.val_every)
+    sampler = train.WindowSampler(data, targs.seq_len, args.seed)
+    configure(model)  # exact
+
+    t0 = time.time()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    for step in range(args.pretrain_steps):
+        rows = sampler.windows(step * args.batch, args.batch)
+        lm, aux, _ = model(rows[:, :-1], rows[:, 1:])
+        opt.zero_grad(set_to_none=True)
+        (lm + targs.aux_loss_coef * aux).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    print(f"pre-trained {args.pretrain_steps} steps in {time.time() - t0:.0f} s, last train loss {lm.item():.3f}")
+
+    first = args.pretrain_steps * args.batch
+    batches = [sampler.windows(first + b * args.batch, args.batch) for b in range(args.batches)]
+    exact = [gradient(model, rows, targs.aux_loss_coef) for rows in batches]
+    g_mean, g0 = mean(exact), exact[0]
+    noise_mb = {g: sum(sq(sub(e, g_mean))[g] for e in exact) / (len(exact) - 1) for g in g0}
+    norm0 = sq(g0)
+    rows_out = []
+    for ratio in args.ratio:
+        for metric in args.metrics:
+            samples = []
+            for s in range(args.samples):
+                configure(model, enabled=True, retention_ratio=ratio, metric=metric, seed=1000 + s)
+                samples.append(gradient(model, batches[0], targs.aux_loss_coef))
+            configure(model)
+            noise = {g: sum(sq(sub(x, g0))[g] for x in samples) / len(samples) for g in g0}
+            bias = sq(sub(mean(samples), g0))
+            rows_out.append((ratio, metric, noise, bias))
+            print(f"ratio {ratio} {metric}: " + ", ".join(f"{g} {noise[g] / noise_mb[g]:.2f}" for g in g0))
+
+    lines = ["# Gradient noise of retention against the minibatch's own noise (CPU)", "",
+             f"Command: `python3 benchmarks/grad_noise.py {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
+             f"train.py's model ({targs.layers} layers, hidden {targs.hidden}, {targs.experts} experts top-{targs.top_k}, "
+             f"ffn {targs.ffn}), one process, ep_size 1; {desc}; pre-trained {args.pretrain_steps} exact steps of "
+             f"{args.batch} x {targs.seq_len} bytes (AdamW lr {args.lr}); then frozen. Minibatch noise: over "
+             f"{args.batches} batches, E||G_b - mean||^2 (unbiased). Retention noise: over {args.samples} seeds on "
+             "batch 0, E||G_s - G_0||^2. Ratio = retention noise / minibatch noise (1.0: the step is as noisy as "
+             "with half the batch, for these parameters). Bias = ||mean_s G_s - G_0||^2 / retention noise (about "
+             f"1/{args.samples} for an unbiased estimator).", "",
+             "| group | ||G_0||^2 | minibatch noise | " + " | ".join(
+                 f"r={r} {m}: noise ratio (bias)" for r, m, _, _ in rows_out) + " |",
+             "| --- " * (3 + len(rows_out)) + "|"]
+    for g in g0:
+        cells = [f"{n[g] / noise_mb[g]:.2f} ({b[g] / max(n[g], 1e-300):.3f})" for _, _, n, b in rows_out]
+        lines.append(f"| {g} | {norm0[g]:.3e} | {noise_mb[g]:.3e} | " + " | ".join(cells) + " |")
+    records = record_row_norms(model, batches[0], targs.aux_loss_coef)
+    expert_mb = noise_mb["expert gate_up"] + noise_mb["expert down"]
+    lines += ["", "Predicted variance of the expert weight gradients (both projections, all layers) per metric, "
+              "from the row norms of batch 0's exact backward (Poisson sampling with probabilities "
+              "min(1, m/tau) under each expert's water-fill quota), over the measured minibatch noise of the same "
+              "parameters:", "", "| metric | " + " | ".join(f"r={r}" for r in args.ratio) + " |",
+              "| --- " * (1 + len(args.ratio)) + "|"]
+    predicted = {r: predicted_variance(records, r) for r in args.ratio}
+    for name in METRICS:
+        lines.append(f"| {name} | " + " | ".join(f"{predicted[r][name] / expert_mb:.2f}" for r in args.ratio) + " |")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
