@@ -8,7 +8,6 @@ Rank 0 writes a JSON of the measured differences to --out.
 """
 import argparse
 import json
-import os
 import re
 
 import deepspeed
