@@ -72,7 +72,7 @@ def parse_args(argv=None):
     p.add_argument("--router_grad", choices=["exact", "retained"], default="exact")
     p.add_argument("--metric", choices=["grad_norm", "gate", "uniform"], default="grad_norm")
     p.add_argument("--reps", type=int, default=15, help="timed forward + backward steps per row")
-    p.add_argument("--out", default=None, help="write the markdown here (rewritten after every row)")
+    p.add_argument("--out", default=None, help="write the markdown here (rewritten after every table)")
     return p.parse_args(argv)
 
 

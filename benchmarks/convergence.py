@@ -1,5 +1,5 @@
 """Convergence of retention: train.py three times on one ds_config, same seed and steps, with the "lrmoe" block
-set to exact (enabled false), retention 0.5 (--ratio) by grad_norm, and retention 0.5 by uniform sampling.
+set to exact (enabled false), retention 0.5 (or --ratio) by grad_norm, and the same ratio by uniform sampling.
 
     python3 benchmarks/convergence.py --base_config ds_configs/h200.json --num_gpus 1
     python3 benchmarks/convergence.py --base_config ds_configs/cpu_ep2.json --num_gpus 2 --steps 20 \\
@@ -138,7 +138,8 @@ def report(args, results, cmd, base_micro):
              "| run | lrmoe block | final held-out loss | gap to exact | grad norm, first / last fifth | train s | wall s |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
-        label, block = run_spec(r["run"], args.ratio)[0], json.dumps(run_spec(r["run"], args.ratio)[1])
+        label, block = run_spec(r["run"], args.ratio)
+        block = json.dumps(block)
         s = r["summary"]
         if s is None:
             lines.append(f"| {label} | `{block}` | failed (rc {r['rc']}, `{r['log']}`) | | | | |")

@@ -31,6 +31,7 @@ sys.path.insert(0, ROOT)
 import lrmoe_ds  # noqa: E402
 import train  # noqa: E402  (the model and corpus of train.py)
 from lrmoe_ds import ops, pipeline  # noqa: E402
+from lrmoe_ds.integration import configure_model  # noqa: E402
 from lrmoe_ds.quotas import plan_quotas  # noqa: E402
 
 GROUPS = ("expert gate_up", "expert down", "router", "rest")
@@ -43,9 +44,7 @@ def group_of(name):
 
 
 def configure(model, **lrmoe):
-    cfg = lrmoe_ds.LRMoEConfig(**lrmoe)
-    for i, layer in enumerate(lrmoe_ds.integration.lrmoe_layers(model)):
-        layer.configure(cfg, layer_number=i)
+    configure_model(model, lrmoe_ds.LRMoEConfig(**lrmoe))
 
 
 def gradient(model, rows, aux_coef):
