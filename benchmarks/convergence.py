@@ -11,6 +11,10 @@ its own csv_monitor job, and is launched as ``deepspeed --num_gpus N train.py --
 <out_dir>/convergence_<name>.md (final held-out loss, gap to exact, times, held-out loss at every eval) and
 convergence_<name>.png (smoothed Train/loss and the Eval/loss points, one colour per run). Configs, logs,
 summaries and csv files stay in --work_dir.
+
+With --seeds S1 S2 ... every run is launched once per seed (--parallel N at once: one GPU hosts several
+small runs) and the report pairs the runs by seed: each seed's gaps, then the mean gap to exact with its
+standard error, which is what a claim about a 1% difference needs (single runs differ by more).
 """
 import argparse
 import csv
@@ -22,6 +26,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_NAMES = ("exact", "grad_norm", "uniform")
@@ -40,6 +45,11 @@ def parse_args(argv=None):
     p.add_argument("--num_gpus", type=int, default=1, help="ranks per run (CPU ranks on a machine without GPUs)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the config's / train.py's)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--seeds", type=int, nargs="+", default=None,
+                   help="several seeds, each run once per seed; the report pairs the runs by seed and gives the "
+                        "mean gap to exact with its standard error (default: --seed alone)")
+    p.add_argument("--parallel", type=int, default=1,
+                   help="launches at once (one GPU hosts several small runs; on CPU ranks they share the cores)")
     p.add_argument("--micro_batch", type=int, default=None,
                    help="train_micro_batch_size_per_gpu for every run (default: the base config's)")
     p.add_argument("--runs", nargs="+", choices=RUN_NAMES, default=list(RUN_NAMES))
@@ -54,6 +64,11 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.name = args.name or os.path.splitext(os.path.basename(args.base_config))[0]
     args.work_dir = os.path.abspath(args.work_dir or os.path.join(ROOT, "runs", f"convergence_{args.name}"))
+    args.seeds = args.seeds or [args.seed]
+    if len(set(args.seeds)) != len(args.seeds):
+        p.error(f"--seeds repeats a seed: {args.seeds}")
+    if args.parallel < 1:
+        p.error("--parallel must be >= 1")
     return args
 
 
@@ -65,18 +80,21 @@ def read_csv(path):
         return [(int(float(r[0])), float(r[1])) for r in list(csv.reader(f))[1:] if r]
 
 
-def launch(args, run, base):
-    """Run train.py for one run; returns its result dict (summary, curves, rc, wall seconds)."""
+def launch(args, run, base, seed):
+    """Run train.py for one run and seed; returns its result dict (summary, curves, rc, wall seconds)."""
     config = json.loads(json.dumps(base))
     config["lrmoe"] = {**(config.get("lrmoe") or {}), **run_spec(run, args.ratio)[1]}
     if args.micro_batch:
         config["train_micro_batch_size_per_gpu"] = args.micro_batch
         config.pop("train_batch_size", None)  # derived again by DeepSpeed from the micro batch
-    job = f"{args.name}_{run}"
-    config["csv_monitor"] = {"enabled": True, "output_path": os.path.join(args.work_dir, "csv"), "job_name": job}
-    cfg_path, summary = (os.path.join(args.work_dir, f"{run}{ext}") for ext in (".json", ".summary.json"))
-    log_path, csv_dir = os.path.join(args.work_dir, f"{run}.log"), os.path.join(args.work_dir, "csv", job)
-    rc, wall, wall_path = 0, None, os.path.join(args.work_dir, f"{run}.wall.json")
+    several = len(args.seeds) > 1
+    work = os.path.join(args.work_dir, f"seed{seed}") if several else args.work_dir
+    os.makedirs(work, exist_ok=True)
+    job = f"{args.name}_{run}" + (f"_seed{seed}" if several else "")
+    config["csv_monitor"] = {"enabled": True, "output_path": os.path.join(work, "csv"), "job_name": job}
+    cfg_path, summary = (os.path.join(work, f"{run}{ext}") for ext in (".json", ".summary.json"))
+    log_path, csv_dir = os.path.join(work, f"{run}.log"), os.path.join(work, "csv", job)
+    rc, wall, wall_path = 0, None, os.path.join(work, f"{run}.wall.json")
     if not (args.reuse and os.path.exists(summary)):
         shutil.rmtree(csv_dir, ignore_errors=True)  # the csv monitor appends: start its files afresh
         if os.path.exists(summary):
@@ -89,9 +107,9 @@ def launch(args, run, base):
         launcher = [shutil.which("deepspeed")] if shutil.which("deepspeed") else [sys.executable, "-m",
                                                                                   "deepspeed.launcher.runner"]
         cmd = launcher + ["--num_gpus", str(args.num_gpus), "--master_port", str(port), os.path.join(ROOT, "train.py"),
-                          "--deepspeed_config", cfg_path, "--summary_json", summary, "--seed", str(args.seed),
+                          "--deepspeed_config", cfg_path, "--summary_json", summary, "--seed", str(seed),
                           "--save_dir", ""] + (["--steps", str(args.steps)] if args.steps else []) + args.extra
-        print(f"[{run}] {shlex.join(cmd)}\n[{run}] log: {log_path}", flush=True)
+        print(f"[{run} seed {seed}] {shlex.join(cmd)}\n[{run} seed {seed}] log: {log_path}", flush=True)
         t0 = time.time()
         with open(log_path, "w") as log:
             rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
@@ -101,7 +119,7 @@ def launch(args, run, base):
     elif os.path.exists(wall_path):
         with open(wall_path) as f:
             wall = json.load(f)["wall"]
-    result = {"run": run, "rc": rc, "wall": wall, "log": log_path, "summary": None,
+    result = {"run": run, "seed": seed, "rc": rc, "wall": wall, "log": log_path, "summary": None,
               "train": read_csv(os.path.join(csv_dir, "Train_loss.csv")),
               "eval": read_csv(os.path.join(csv_dir, "Eval_loss.csv")),
               "grad_norm": read_csv(os.path.join(csv_dir, "Train_grad_norm.csv"))}
@@ -109,11 +127,12 @@ def launch(args, run, base):
         with open(summary) as f:
             result["summary"] = json.load(f)
         result["eval"] = result["eval"] or [tuple(e) for e in result["summary"]["evals"]]
-        print(f"[{run}] held-out loss {result['summary']['end_loss']:.4f}, wall {wall or 0:.0f} s", flush=True)
+        print(f"[{run} seed {seed}] held-out loss {result['summary']['end_loss']:.4f}, wall {wall or 0:.0f} s",
+              flush=True)
     else:
         with open(log_path) as f:
             tail = f.readlines()[-15:]
-        print(f"[{run}] FAILED (rc {rc}), last lines of {log_path}:\n" + "".join(tail), flush=True)
+        print(f"[{run} seed {seed}] FAILED (rc {rc}), last lines of {log_path}:\n" + "".join(tail), flush=True)
     return result
 
 
@@ -130,7 +149,7 @@ def report(args, results, cmd, base_micro):
     exact = next((r["summary"]["end_loss"] for r in results if r["run"] == "exact" and r["summary"]), None)
     lines = [f"# Convergence with retention: {args.name}", "", f"Command: `{cmd}`", "",
              (f"Base config `{os.path.relpath(os.path.abspath(args.base_config), ROOT)}`, {args.num_gpus} rank(s), "
-             f"micro batch {args.micro_batch or base_micro}, seed {args.seed}, steps {args.steps or 'from the config / train.py'}, train.py extra flags: "
+             f"micro batch {args.micro_batch or base_micro}, seed {args.seeds[0]}, steps {args.steps or 'from the config / train.py'}, train.py extra flags: "
              f"`{shlex.join(args.extra) or 'none'}`. Held-out loss in nats/byte (train.py's summary `end_loss`); "
              "gap = (loss - exact) / exact; grad norm = mean of `Train/grad_norm` (DeepSpeed's global norm before "
              "clipping) over the first and the last fifth of the logged steps; train s excludes evals; wall s is the "
@@ -183,6 +202,111 @@ def plot(args, results, path):
     fig.savefig(path, dpi=120)
 
 
+def _mean_sd(values):
+    n = len(values)
+    mean = sum(values) / n
+    sd = (sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5 if n > 1 else float("nan")
+    return mean, sd
+
+
+def report_seeds(args, results, cmd, base_micro):
+    """The report of several seeds: each seed's final losses and gaps (each run against the exact run of
+    its own seed), then per run the mean gap, its standard error and range, and the mean eval curve."""
+    by = {(r["seed"], r["run"]): r for r in results}
+    done = [s for s in args.seeds if all(by[(s, run)]["summary"] for run in args.runs)]
+    end = lambda s, run: by[(s, run)]["summary"]["end_loss"]
+    lines = [f"# Convergence with retention over {len(args.seeds)} seeds: {args.name}", "", f"Command: `{cmd}`", "",
+             (f"Base config `{os.path.relpath(os.path.abspath(args.base_config), ROOT)}`, {args.num_gpus} rank(s), "
+              f"micro batch {args.micro_batch or base_micro}, seeds {' '.join(map(str, args.seeds))} (a seed sets the "
+              f"initial weights, the data order and the retention sampling), steps {args.steps or 'from the config'}, "
+              f"{args.parallel} launch(es) at once, train.py extra flags: `{shlex.join(args.extra) or 'none'}`. Held-out "
+              "loss in nats/byte (train.py's summary `end_loss`); a run's gap = (its loss - the exact run's loss of "
+              "the same seed) / the latter."), "",
+             "| seed | " + " | ".join(run_spec(run, args.ratio)[0] for run in args.runs) + " |",
+             "| --- |" + " --- |" * len(args.runs)]
+    for seed in args.seeds:
+        cells = []
+        for run in args.runs:
+            r = by[(seed, run)]
+            if not r["summary"]:
+                cells.append(f"failed (rc {r['rc']})")
+                continue
+            gap = ""
+            if run != "exact" and "exact" in args.runs and by[(seed, "exact")]["summary"]:
+                gap = f" ({(end(seed, run) - end(seed, 'exact')) / end(seed, 'exact') * 100:+.2f}%)"
+            cells.append(f"{end(seed, run):.4f}{gap}")
+        lines.append(f"| {seed} | " + " | ".join(cells) + " |")
+    lines += ["", f"Over the {len(done)} seed(s) where every run finished (s.e. = sd / sqrt(n)):", "",
+              "| run | mean final loss (sd) | mean gap to exact | s.e. of the gap | gap range |",
+              "| --- | --- | --- | --- | --- |"]
+    for run in args.runs:
+        if not done:
+            break
+        mean, sd = _mean_sd([end(s, run) for s in done])
+        row = f"| {run_spec(run, args.ratio)[0]} | {mean:.4f} ({sd:.4f}) |"
+        if run == "exact" or "exact" not in args.runs:
+            lines.append(row + " - | - | - |")
+            continue
+        gaps = [(end(s, run) - end(s, "exact")) / end(s, "exact") * 100 for s in done]
+        g_mean, g_sd = _mean_sd(gaps)
+        lines.append(row + f" {g_mean:+.2f}% | {g_sd / len(gaps) ** 0.5:.2f}% | {min(gaps):+.2f}% .. {max(gaps):+.2f}% |")
+    if {"grad_norm", "uniform"} <= set(args.runs) and done:
+        wins = sum(end(s, "grad_norm") < end(s, "uniform") for s in done)
+        lines += ["", f"grad_norm ends below uniform in {wins} of {len(done)} seeds."]
+    steps = sorted({st for r in results for st, _ in r["eval"]})
+    lines += ["", "Mean held-out loss at every eval, over the same seeds:", "",
+              "| step | " + " | ".join(run_spec(run, args.ratio)[0] for run in args.runs) + " |",
+              "| --- |" + " --- |" * len(args.runs)]
+    for st in steps:
+        cells = []
+        for run in args.runs:
+            vals = [dict(by[(s, run)]["eval"]).get(st) for s in done]
+            cells.append("-" if not vals or None in vals else f"{sum(vals) / len(vals):.4f}")
+        lines.append(f"| {st} | " + " | ".join(cells) + " |")
+    lines += ["", f"![curves](convergence_{args.name}.png)", ""]
+    return "\n".join(lines)
+
+
+def plot_seeds(args, results, path):
+    """Left: each seed's held-out points, faint, and each run's mean held-out curve. Right: each run's
+    gap to the exact run of its own seed at every eval, per seed (faint) and averaged."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax, ax_gap) = plt.subplots(1, 2, figsize=(13, 5))
+    exact = {r["seed"]: dict(r["eval"]) for r in results if r["run"] == "exact" and r["eval"]}
+    for i, run in enumerate(args.runs):
+        label = run_spec(run, args.ratio)[0]
+        curves = {r["seed"]: dict(r["eval"]) for r in results if r["run"] == run and r["eval"]}
+        for c in curves.values():
+            ax.plot(sorted(c), [c[k] for k in sorted(c)], "o", color=f"C{i}", alpha=0.25, markersize=3)
+        steps = sorted(set.intersection(*(set(c) for c in curves.values()))) if curves else []
+        if steps:
+            ax.plot(steps, [sum(c[st] for c in curves.values()) / len(curves) for st in steps], "-", color=f"C{i}",
+                    label=f"{label}: mean over {len(curves)} seeds")
+        if run == "exact":
+            continue
+        gaps = {s: {st: (c[st] - exact[s][st]) / exact[s][st] * 100 for st in c if st in exact.get(s, {})}
+                for s, c in curves.items()}
+        gaps = {s: g for s, g in gaps.items() if g}
+        for g in gaps.values():
+            ax_gap.plot(sorted(g), [g[k] for k in sorted(g)], "-", color=f"C{i}", alpha=0.2, linewidth=0.8)
+        steps = sorted(set.intersection(*(set(g) for g in gaps.values()))) if gaps else []
+        if steps:
+            ax_gap.plot(steps, [sum(g[st] for g in gaps.values()) / len(gaps) for st in steps], "o-", color=f"C{i}",
+                        label=f"{label}: mean over {len(gaps)} seeds")
+    ax.set(xlabel="step", ylabel="held-out loss (nats/byte)",
+           title=f"{args.name}: exact vs retention {args.ratio:g}, {len(args.seeds)} seeds")
+    ax_gap.axhline(0, color="C0", linewidth=0.8)
+    ax_gap.axhline(1, color="grey", linestyle=":", linewidth=0.8, label="+1% (the target's bound)")
+    ax_gap.set(xlabel="step", ylabel="held-out loss gap to exact, same seed (%)", title="gap to exact, per seed and mean")
+    for a in (ax, ax_gap):
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main():
     args = parse_args()
     cmd = shlex.join(["python3", "benchmarks/convergence.py"] + sys.argv[1:])
@@ -190,12 +314,15 @@ def main():
         base = json.load(f)
     os.makedirs(args.work_dir, exist_ok=True)
     os.makedirs(args.out_dir, exist_ok=True)
-    results = [launch(args, run, base) for run in args.runs]
+    jobs = [(seed, run) for seed in args.seeds for run in args.runs]
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:  # each thread waits on its own launch
+        results = list(pool.map(lambda job: launch(args, job[1], base, job[0]), jobs))
     md, png = (os.path.join(args.out_dir, f"convergence_{args.name}{ext}") for ext in (".md", ".png"))
-    text = report(args, results, cmd, base.get("train_micro_batch_size_per_gpu"))
+    several = len(args.seeds) > 1
+    text = (report_seeds if several else report)(args, results, cmd, base.get("train_micro_batch_size_per_gpu"))
     with open(md, "w") as f:
         f.write(text)
-    plot(args, results, png)
+    (plot_seeds if several else plot)(args, results, png)
     print(text, f"wrote {md} and {png}", sep="\n")
     return 0 if all(r["summary"] for r in results) else 1
 
