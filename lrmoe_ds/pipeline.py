@@ -79,7 +79,11 @@ class RoutedMLP(torch.autograd.Function):
             metric = pair_metric(spec.metric, weight_of_row,
                                  None if dout_norm is None else dout_norm.index_select(0, src),
                                  None if x_norm is None else x_norm.index_select(0, src))
-            sizes, quotas = to_device(plan.all_counts[rank], dout.device), to_device(shares[rank], dout.device)
+            splits = disp.compact(shares, dout.device)
+            if disp.ep_size == 1:  # this rank's counts and quotas are on the device already: no more copies
+                sizes, quotas = plan.group_sizes, splits.group_sizes
+            else:
+                sizes, quotas = to_device(plan.all_counts[rank], dout.device), to_device(shares[rank], dout.device)
             kept, scale, _ = select_retained(metric, sizes, quotas, spec.selection, spec.seed,
                                              num_kept=int(shares[rank].sum()))
             kept_pairs = plan.order.index_select(0, kept)
@@ -87,7 +91,6 @@ class RoutedMLP(torch.autograd.Function):
             if spec.rescale:
                 row_weight = gate * scale
             src = src.index_select(0, kept)
-            splits = disp.compact(shares, dout.device)
             if spec.record is not None:
                 spec.record.update(kept=kept, scale=scale, pairs=kept_pairs)
 

@@ -23,17 +23,21 @@ class MemoryPlan:
 
 
 def _level(n: torch.Tensor, budget: int) -> torch.Tensor:
-    """min(n, c) for the largest integer cap c with sum(min(n, c)) <= budget (water-fill from above)."""
-    if int(n.sum()) <= budget:
+    """min(n, c) for the largest integer cap c with sum(min(n, c)) <= budget (water-fill from above).
+
+    One pass over the sorted counts (host ints; it runs in every training forward, so no tensor ops):
+    for c between the i-th and the (i+1)-th smallest count, sum(min(n, c)) = (sum of the i smallest) +
+    c (E - i), linear in c."""
+    vals = n.tolist()
+    if sum(vals) <= budget:
         return n.clone()
-    lo, hi = 0, int(n.max())
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if int(torch.clamp(n, max=mid).sum()) <= budget:
-            lo = mid
-        else:
-            hi = mid - 1
-    return torch.clamp(n, max=lo)
+    prefix, E, cap = 0, len(vals), 0
+    for i, v in enumerate(sorted(vals)):
+        if prefix + v * (E - i) > budget:
+            cap = max(0, (budget - prefix) // (E - i))
+            break
+        prefix += v
+    return torch.clamp(n, max=cap)
 
 
 def plan_quotas(counts: torch.Tensor, retention_ratio: float = 1.0, ep_size: int = 1, floor: float = 0.0,
@@ -78,6 +82,8 @@ def rank_shares(quotas: torch.Tensor, all_counts: torch.Tensor) -> torch.Tensor:
     """
     c = all_counts.detach().long().cpu()
     q = torch.minimum(quotas.detach().long().cpu(), c.sum(0))
+    if c.shape[0] == 1:  # one rank holds every pair: its share is the whole quota
+        return q.view(1, -1)
     n = c.sum(0).clamp_min(1)
     scaled = q.unsqueeze(0) * c                                  # [R, E]
     base, frac = scaled // n, scaled % n

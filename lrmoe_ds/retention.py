@@ -52,6 +52,16 @@ def pair_metric(metric: Metric, gate: torch.Tensor, dout_norm: Optional[torch.Te
     raise ValueError(f"unknown retention metric {metric!r}")
 
 
+_generators = {}  # one per device, reseeded for every selection (cheaper than a new one each time)
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    gen = _generators.get(device)
+    if gen is None:
+        gen = _generators[device] = torch.Generator(device=device)
+    return gen.manual_seed(seed)
+
+
 def select_retained(metric: torch.Tensor, group_sizes: torch.Tensor, quotas: torch.Tensor,
                     selection: Selection = "priority_sampling", seed: int = 0, num_kept: Optional[int] = None):
     """Choose the retained pairs of each group.
@@ -63,12 +73,12 @@ def select_retained(metric: torch.Tensor, group_sizes: torch.Tensor, quotas: tor
     if selection == "topk":
         kept, kept_sizes, _ = ops.topk_retention(metric, group_sizes, quotas, num_kept)
         return kept, torch.ones(kept.numel(), device=metric.device), kept_sizes
-    gen = torch.Generator(device=metric.device).manual_seed(seed)
-    u = 1.0 - torch.rand(metric.shape, generator=gen, device=metric.device)  # (0, 1]
+    u = 1.0 - torch.rand(metric.shape, generator=_generator(metric.device, seed), device=metric.device)  # (0, 1]
     keys = metric / u
     kept, kept_sizes, tau = ops.topk_retention(keys, group_sizes, quotas, num_kept)
     m = metric.index_select(0, kept)
-    tau_row = torch.repeat_interleave(tau, kept_sizes, output_size=kept.numel())
+    # each kept position's group: kept positions are grouped, so a search in the groups' ends finds it
+    tau_row = tau.index_select(0, torch.bucketize(kept, group_sizes.to(kept.device).cumsum(0), right=True))
     # tau = 0 means the whole group is kept: weight 1. Where tau > 0 a kept key is >= tau > 0, so m > 0.
     scale = torch.where(tau_row > 0, torch.clamp(tau_row / m.clamp_min(torch.finfo(m.dtype).tiny), min=1.0),
                         torch.ones_like(m))

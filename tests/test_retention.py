@@ -28,6 +28,18 @@ def test_water_fill_caps_hottest_first():
         plan_quotas(counts, 0.0)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_water_fill_level_is_the_largest_cap_within_the_budget(seed):
+    """The cap, checked against its definition by brute force over every integer cap."""
+    from lrmoe_ds.quotas import _level
+    g = torch.Generator().manual_seed(seed)
+    n = torch.randint(0, 50, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g)
+    n[0] = 0 if seed % 2 else n[0]
+    for budget in sorted({0, 1, int(n.sum()) // 3, int(n.sum()) // 2, int(n.sum()) - 1, int(n.sum()), -1}):
+        best = max([c for c in range(int(n.max()) + 1) if int(n.clamp(max=c).sum()) <= budget], default=0)
+        assert torch.equal(_level(n, budget), n.clamp(max=best)), (n.tolist(), budget)
+
+
 def test_floor_budget_and_balance():
     counts = torch.tensor([90, 30, 5, 5, 60, 10])    # 2 ranks: experts 0-2 and 3-5
     assert plan_quotas(counts, 0.5, floor=0.5)[0] == 45                      # the floor wins over the target
@@ -49,6 +61,8 @@ def test_rank_shares_add_up(seed):
     shares = rank_shares(quotas, all_counts)
     assert torch.equal(shares.sum(0), quotas) and torch.all(shares <= all_counts) and torch.all(shares >= 0)
     assert torch.all((shares - quotas * all_counts / all_counts.sum(0).clamp_min(1)).abs() < 1)  # proportional
+    one = all_counts[:1]                              # one rank: its share is the quota, within its counts
+    assert torch.equal(rank_shares(quotas, one), torch.minimum(quotas, one[0]).view(1, -1))
 
 
 # ---- selection ----------------------------------------------------------------------------------

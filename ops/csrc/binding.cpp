@@ -20,4 +20,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("pass"), pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("group_tensors"),
         pybind11::arg("group_sizes"), pybind11::arg("out"), pybind11::arg("accumulate"),
         pybind11::arg("allow_cutlass") = true);
+  m.def("split_groups", &lrmoe::split_groups_op,
+        "buffer [G, ...] -> G tensors buffer[g] on its storage (plain tensors, not autograd views)");
 }

@@ -17,13 +17,16 @@ DType gemm_dtype(const at::Tensor& t, const char* name) {
   }
 }
 
+// name(): the tensor's name in an error message, built only when a check fails (the per-group checks
+// run G times per call, so an eager std::string would cost host time on every call)
+template <class Name>
 void check_matrix(const at::Tensor& t, int64_t rows, int64_t cols, at::ScalarType dtype, const at::Tensor& like,
-                  const std::string& name) {
-  LRMOE_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, name, " must be [", rows, ", ", cols,
+                  const Name& name) {
+  LRMOE_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, name(), " must be [", rows, ", ", cols,
               "], got shape ", t.sizes());
-  LRMOE_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
-  LRMOE_CHECK(t.is_contiguous(), name, " must be contiguous");
-  LRMOE_CHECK(t.device() == like.device(), name, " is on ", t.device(), ", not on ", like.device());
+  LRMOE_CHECK(t.scalar_type() == dtype, name(), " must be ", dtype, ", got ", t.scalar_type());
+  LRMOE_CHECK(t.is_contiguous(), name(), " must be contiguous");
+  LRMOE_CHECK(t.device() == like.device(), name(), " is on ", t.device(), ", not on ", like.device());
 }
 
 }  // namespace
@@ -53,7 +56,7 @@ bool grouped_gemm_op(int64_t pass_id, const at::Tensor& a, const c10::optional<a
     LRMOE_CHECK(b.has_value(), op, ": x is missing");
     N = a.size(1);
     K = b->dim() == 2 ? b->size(1) : -1;
-    check_matrix(*b, M, K, a.scalar_type(), a, opn + ": x");
+    check_matrix(*b, M, K, a.scalar_type(), a, [&] { return opn + ": x"; });
     b_ptr = b->data_ptr();
     out_dt = gemm_dtype(group_tensors[0], op);
     LRMOE_CHECK(out_dt == dt || out_dt == DType::kF32, op, ": gradients must be ", a.scalar_type(),
@@ -65,7 +68,7 @@ bool grouped_gemm_op(int64_t pass_id, const at::Tensor& a, const c10::optional<a
     LRMOE_CHECK(a.size(1) == (pass == GemmPass::kFwd ? K : N), op, ": input of shape ", a.sizes(),
                 " does not match weights of shape ", group_tensors[0].sizes());
     LRMOE_CHECK(out.has_value(), op, ": out is missing");
-    check_matrix(*out, M, pass == GemmPass::kFwd ? N : K, a.scalar_type(), a, opn + ": out");
+    check_matrix(*out, M, pass == GemmPass::kFwd ? N : K, a.scalar_type(), a, [&] { return opn + ": out"; });
     out_ptr = out->data_ptr();
   }
   LRMOE_CHECK(a.is_contiguous(), op, ": input must be contiguous");
@@ -78,7 +81,7 @@ bool grouped_gemm_op(int64_t pass_id, const at::Tensor& a, const c10::optional<a
       t = &copies.back();
     }
     check_matrix(*t, N, K, pass == GemmPass::kWgrad ? group_tensors[0].scalar_type() : a.scalar_type(), a,
-                 opn + (pass == GemmPass::kWgrad ? ": gradient " : ": weight ") + std::to_string(g));
+                 [&] { return opn + (pass == GemmPass::kWgrad ? ": gradient " : ": weight ") + std::to_string(g); });
     ptrs[g] = t->data_ptr();
   }
   LRMOE_CHECK(M < (int64_t(1) << 31) && N < (int64_t(1) << 31) && K < (int64_t(1) << 31), op, ": sizes must be < 2^31");
@@ -94,6 +97,25 @@ bool grouped_gemm_op(int64_t pass_id, const at::Tensor& a, const c10::optional<a
   at::Tensor temp = at::empty({(int64_t)std::max<size_t>(bytes, 1)}, a.options().dtype(at::kByte));
   call(temp.data_ptr(), bytes);
   return cutlass;
+}
+
+std::vector<at::Tensor> split_groups_op(const at::Tensor& buffer) {
+  LRMOE_CHECK(buffer.dim() >= 1 && buffer.is_contiguous(), "split_groups: buffer must be contiguous with a group "
+              "dimension first, got shape ", buffer.sizes());
+  const int64_t G = buffer.size(0);
+  const auto sizes = buffer.sizes().slice(1);
+  const auto strides = buffer.strides().slice(1);
+  const int64_t step = G > 0 ? buffer.stride(0) : 0;
+  std::vector<at::Tensor> out;
+  out.reserve(G);
+  // Plain tensors on the buffer's storage, made without the dispatcher: unbind's G selects (autograd views)
+  // cost about a microsecond each, and the wgrad of one layer's backward makes 2 x 128 of them.
+  for (int64_t g = 0; g < G; ++g) {
+    auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(buffer.storage()), buffer.key_set(), buffer.dtype());
+    impl->set_sizes_and_strides(sizes, strides, buffer.storage_offset() + g * step);
+    out.emplace_back(std::move(impl));
+  }
+  return out;
 }
 
 }  // namespace lrmoe

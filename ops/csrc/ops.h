@@ -51,5 +51,7 @@ void router_topk_backward_op(const at::Tensor& logits, const at::Tensor& topk_in
 bool grouped_gemm_op(int64_t pass, const at::Tensor& a, const c10::optional<at::Tensor>& b,
                      const std::vector<at::Tensor>& group_tensors, const at::Tensor& group_sizes,
                      const c10::optional<at::Tensor>& out, bool accumulate, bool allow_cutlass);
+// buffer [G, ...] contiguous -> G tensors buffer[g] on its storage (plain tensors, not autograd views).
+std::vector<at::Tensor> split_groups_op(const at::Tensor& buffer);
 
 }  // namespace lrmoe

@@ -55,3 +55,50 @@ def test_bad_input(ext):
         ops.grouped_linear_wgrad(dy, x, torch.tensor([4, 4], device="cuda"), backend="cuda")
     with pytest.raises(ValueError, match="1 output tensors for 2 groups"):
         ops.grouped_linear_wgrad(dy, dy, torch.tensor([4, 4], device="cuda"), out=[dy], backend="cuda")
+
+
+def test_new_gradients_are_separate_tensors_usable_as_grad(ext):
+    """Without ``out`` the gradients are split from one buffer in C++ (plain tensors, not autograd views):
+    each is its own [N, K] tensor on its region, an in-place change to one leaves the others alone, and
+    autograd takes one as a parameter's .grad without copying it."""
+    gen = torch.Generator().manual_seed(2)
+    sizes = torch.tensor([3, 0, 9])
+    dy = torch.randn(12, 8, generator=gen).bfloat16().cuda()
+    x = torch.randn(12, 4, generator=gen).bfloat16().cuda()
+    grads = ops.grouped_linear_wgrad(dy, x, sizes.cuda(), backend="cuda")
+    ref = reference.grouped_linear_wgrad(dy.cpu().double(), x.cpu().double(), sizes)
+    assert len(grads) == 3 and all(g.shape == (8, 4) and g.is_contiguous() and not g._is_view() for g in grads)
+    assert [g.data_ptr() - grads[0].data_ptr() for g in grads] == [0, 64, 128]  # bytes: 32 bf16 per group
+    for g, r in zip(grads, ref):
+        assert torch.allclose(g.double().cpu(), r, rtol=2e-2, atol=2e-2)
+    before = [g.clone() for g in grads]
+    grads[1].add_(1.0)
+    assert torch.equal(grads[0], before[0]) and torch.equal(grads[2], before[2])
+    assert torch.equal(grads[1], before[1] + 1.0)
+    assert grads[1]._version == 1 and grads[0]._version == 0
+
+    params = [torch.nn.Parameter(torch.zeros(8, 4, dtype=torch.bfloat16, device="cuda")) for _ in range(3)]
+
+    class HandOver(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *ps):
+            return ps[0].sum()
+
+        @staticmethod
+        def backward(ctx, _):
+            return tuple(ops.grouped_linear_wgrad(dy, x, sizes.cuda(), backend="cuda"))
+
+    HandOver.apply(*params).backward()
+    for p, r in zip(params, ref):
+        assert p.grad.shape == (8, 4) and torch.allclose(p.grad.double().cpu(), r, rtol=2e-2, atol=2e-2)
+    assert params[1].grad.data_ptr() - params[0].grad.data_ptr() == 64  # stolen, not copied
+
+
+def test_split_groups(ext):
+    buf = torch.arange(24.0, device="cuda").view(2, 3, 4)[:, :, :]
+    parts = ext.split_groups(buf)
+    assert [torch.equal(p, buf[g]) for g, p in enumerate(parts)] == [True, True]
+    assert ext.split_groups(buf[1:])[0].data_ptr() == buf[1].data_ptr()  # storage offsets kept
+    assert ext.split_groups(torch.empty(0, 3, device="cuda")) == []
+    with pytest.raises(RuntimeError, match="split_groups: buffer must be contiguous"):
+        ext.split_groups(buf.transpose(1, 2))
