@@ -8,12 +8,16 @@ at a small token count (default 256) the GPU is idle most of the step, so forwar
 to the step's wall time, and the anchor rows show where the floor lies. Then micro-timings (host
 microseconds per call, no synchronisation inside the timed loop) of the router's logits GEMM in three
 forms, the wgrad gradients' split (unbind vs the ops' split_groups), one grouped GEMM call over E
-groups, and the autograd engine's AccumulateGrad of 2E expert parameters (2 E leaves vs 2).
+groups, and the autograd engine's AccumulateGrad of 2E expert parameters (2 E leaves vs 2); and a
+cProfile of each LRMoE row's forward (the functions with the most own host time).
 
     python3 benchmarks/host_time.py --shape qwen3-30b-a3b --tokens 256 --out host_time.md
 """
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import socket
 import statistics
 import time
@@ -47,6 +51,24 @@ def phase_ms(layer, x, grad, reps):
             fwd.append(t1 - t0)
             bwd.append(t3 - t2)
     return statistics.median(fwd) * 1e3, statistics.median(bwd) * 1e3
+
+
+def forward_profile(layer, x, grad, reps, rows=22):
+    """cProfile of the forward alone (the backward runs on autograd's device thread, which cProfile does
+    not see): the functions with the most own time, torch ops included, as text."""
+    prof = cProfile.Profile()
+    for _ in range(reps):
+        layer.zero_grad(set_to_none=True)
+        xi = x.detach().requires_grad_(True)
+        torch.cuda.synchronize()
+        prof.enable()
+        out = layer(xi)[0]
+        prof.disable()
+        out.backward(grad)
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(rows)
+    return text.getvalue()
 
 
 def host_us(fn, reps=200, after=None):
@@ -134,6 +156,7 @@ def main():
              "| layer | forward host ms | backward host ms | sum |", "| --- | --- | --- | --- |"]
     rows = [("grouped_mm dropless (anchor)", "anchor", None), ("LRMoE exact (enabled false)", "lrmoe", {}),
             (f"LRMoE retention {args.ratio:g}, stash", "lrmoe", {"enabled": True, "retention_ratio": args.ratio})]
+    profiles = []
     for name, kind, block in rows:
         torch.manual_seed(0)
         layer = to_device_flat(build(kind, H, Fh, E, k).to(torch.bfloat16), "cuda")
@@ -142,11 +165,16 @@ def main():
         f_ms, b_ms = phase_ms(layer, x, grad, args.reps)
         lines.append(f"| {name} | {f_ms:.2f} | {b_ms:.2f} | {f_ms + b_ms:.2f} |")
         print(lines[-1], flush=True)
+        if kind == "lrmoe":
+            profiles.append((name, forward_profile(layer, x, grad, args.reps)))
         del layer
     lines += ["", "| part | host us per call |", "| --- | --- |"]
     for name, us in micro_rows(H, Fh, E, k, args.tokens):
         lines.append(f"| {name} | {us:.1f} |")
         print(lines[-1], flush=True)
+    for name, prof in profiles:
+        lines += ["", f"cProfile of {args.reps} forwards of {name} (own time first; seconds over all of them):",
+                  "", "```", prof.strip(), "```"]
     text = "\n".join(lines) + "\n"
     if args.out:
         with open(args.out, "w") as f:

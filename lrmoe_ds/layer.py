@@ -18,7 +18,7 @@ from lrmoe_ds.autograd import apply_fast
 from lrmoe_ds.config import LRMoEConfig
 from lrmoe_ds.dispatcher import AllToAllDispatcher, DispatchPlan
 from lrmoe_ds.experts import EXPERT_TYPES, GroupedExperts
-from lrmoe_ds.pipeline import RoutedMLP
+from lrmoe_ds.pipeline import ExpertWeights, RoutedMLP, WeightGrads
 from lrmoe_ds.quotas import MemoryPlan, RetentionStats, expert_row_bytes, plan_quotas, rank_shares
 from lrmoe_ds.retention import BackwardSpec
 from lrmoe_ds.router import Router
@@ -172,13 +172,19 @@ class LRMoE(MoE):
                              f"got input of shape {tuple(hidden_states.shape)}")
         moe = self.deepspeed_moe
         x = hidden_states.reshape(-1, self.hidden_size)
+        token = None
+        if moe.experts.grouped:
+            w1, w2, expert_type = moe.experts.projections()
+            handoff = WeightGrads()
+            if torch.is_grad_enabled() and any(w.requires_grad for w in w1 + w2):
+                # before the router, so that the weights' gradients reach autograd after its backward
+                token = apply_fast(ExpertWeights, handoff, *w1, *w2)
         routing = moe.gate(x)
         plan = moe.dispatcher.plan(routing.topk_index, routing.counts)
         if moe.experts.grouped:
             spec, plan_shares = self._backward_spec(plan, x.dtype)
-            w1, w2, expert_type = moe.experts.projections()
-            out = apply_fast(RoutedMLP, x, routing.topk_weight, plan, moe.dispatcher, expert_type, spec, len(w1),
-                             *w1, *w2)
+            out = apply_fast(RoutedMLP, x, routing.topk_weight, token, plan, moe.dispatcher, expert_type, spec,
+                             w1, w2, handoff)
             if plan_shares is not None:
                 # Now that the forward's kernels are queued, the counts' early copy (one rank) has landed
                 # and the host plans the backward's quotas while the GPU runs the forward.

@@ -30,13 +30,48 @@ def _version_sum(tensors) -> int:
     return sum(t._version for t in tensors)
 
 
-class RoutedMLP(torch.autograd.Function):
-    """out [T, H] = sum_k topk_weight[t, k] * MLP_{e(t,k)}(x_t), over an expert-parallel group."""
+class WeightGrads:
+    """Where RoutedMLP's backward leaves the expert weights' gradients for :class:`ExpertWeights`."""
+    __slots__ = ("grads",)
+
+    def __init__(self):
+        self.grads = None
+
+
+class ExpertWeights(torch.autograd.Function):
+    """The expert weights' one way into the autograd graph: a token made from all 2 E of them, which
+    RoutedMLP takes in their place; RoutedMLP's backward leaves their gradients in ``handoff`` and this
+    node hands them to autograd.
+
+    Why: autograd runs a leaf's AccumulateGrad as soon as its gradient exists, before any other ready
+    node, at about 10 us of host time each (benchmarks/results/host_time_h200.md): 2.5 ms for 256
+    weights, during which the router's backward was not yet queued and the GPU could run dry. Made
+    before the router, this node runs after the router's backward, so that host work overlaps GPU
+    work already queued. The AccumulateGrad nodes themselves (and DeepSpeed's hooks on them) are the
+    same as when the weights were RoutedMLP's own inputs.
+    """
 
     @staticmethod
-    def forward(ctx, x, topk_weight, plan: DispatchPlan, dispatcher: AllToAllDispatcher, expert_type,
-                spec: BackwardSpec, n_w1: int, *weights):
-        w1, w2 = weights[:n_w1], weights[n_w1:]
+    def forward(ctx, handoff: WeightGrads, *weights):
+        ctx.handoff = handoff
+        return weights[0].new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _):
+        grads, ctx.handoff.grads = ctx.handoff.grads, None
+        return (None, *grads)
+
+
+class RoutedMLP(torch.autograd.Function):
+    """out [T, H] = sum_k topk_weight[t, k] * MLP_{e(t,k)}(x_t), over an expert-parallel group.
+
+    The expert weights come as plain arguments (w1, w2 tuples), not as autograd inputs: their gradients
+    go through ``handoff`` to the :class:`ExpertWeights` node that made ``weights_token`` (None where no
+    expert weight needs a gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weight, weights_token, plan: DispatchPlan, dispatcher: AllToAllDispatcher,
+                expert_type, spec: BackwardSpec, w1, w2, handoff: WeightGrads):
         K = plan.row_of_pair.shape[1]
         rows = dispatcher.to_experts(ops.permute(x, plan.order // K), plan)
         h, y = mlp_forward(rows, w1, w2, expert_type, plan.group_sizes)
@@ -50,7 +85,7 @@ class RoutedMLP(torch.autograd.Function):
         # The weights are leaf parameters: kept on ctx, not saved, which spares 2 E saved-tensor packs and
         # unpacks (host time) and keeps saved-tensor hooks (offload) to the activations. Their versions
         # are summed instead, so that a weight changed in place before the backward is still an error.
-        ctx.w1, ctx.w2, ctx.weights_version = w1, w2, _version_sum(weights)
+        ctx.w1, ctx.w2, ctx.weights_version, ctx.handoff = w1, w2, _version_sum(w1 + w2), handoff
         ctx.plan, ctx.dispatcher, ctx.expert_type, ctx.spec = plan, dispatcher, expert_type, spec
         return out
 
@@ -123,4 +158,6 @@ class RoutedMLP(torch.autograd.Function):
                 0, kept_pairs, torch.arange(kept.numel(), dtype=row_of_pair.dtype, device=dout.device)).view(T, K)
         ones = torch.ones((T, K), dtype=dout.dtype, device=dout.device)
         dx = ops.unpermute(dx_src, row_of_pair, ones)
-        return (dx, d_weight, None, None, None, None, None, *dw1, *dw2)
+        if ctx.needs_input_grad[2]:
+            ctx.handoff.grads = (*dw1, *dw2)
+        return dx, d_weight, None, None, None, None, None, None, None, None

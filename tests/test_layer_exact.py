@@ -178,3 +178,35 @@ def test_expert_weight_changed_before_backward_is_an_error():
         layer.deepspeed_moe.experts.deepspeed_experts[0].gate_up_proj.weight.mul_(2.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
+
+
+def test_expert_weight_gradients_reach_autograd_after_the_router_backward():
+    """The expert weights enter the graph through one node made before the router: their gradients are
+    accumulated (each through its own AccumulateGrad, so hooks such as DeepSpeed's fire once per weight
+    and step) after the router's, where autograd used to run all 2 E of them first. Frozen experts
+    get none and cost no node."""
+    layer, x = make_case("softmax", 2, "swiglu", seed=3, skewed=False)
+    w1, w2 = expert_weights(layer)
+    order = []
+    layer.deepspeed_moe.gate.wg.weight.register_post_accumulate_grad_hook(lambda p: order.append("router"))
+    for i, w in enumerate(w1 + w2):
+        w.register_post_accumulate_grad_hook(lambda p, i=i: order.append(i))
+    for step in range(2):
+        layer.zero_grad(set_to_none=True)
+        order.clear()
+        layer(x.requires_grad_(True))[0].sum().backward()
+        assert order[0] == "router" and sorted(order[1:]) == list(range(2 * E)), order
+    expected = [w.grad.clone() for w in w1 + w2]
+    with torch.no_grad():
+        out_no_grad = layer(x)[0]
+    assert torch.equal(out_no_grad, layer(x)[0])
+    for w in w1 + w2:
+        w.requires_grad_(False)
+        w.grad = None
+    layer(x)[0].sum().backward()
+    assert all(w.grad is None for w in w1 + w2) and x.grad is not None
+    for w in w1 + w2:
+        w.requires_grad_(True)
+    layer.zero_grad(set_to_none=True)
+    layer(x)[0].sum().backward()
+    assert all(torch.equal(w.grad, e) for w, e in zip(w1 + w2, expected))
