@@ -9,7 +9,8 @@ to the step's wall time, and the anchor rows show where the floor lies. Then mic
 microseconds per call, no synchronisation inside the timed loop) of the router's logits GEMM in three
 forms, the wgrad gradients' split (unbind vs the ops' split_groups), one grouped GEMM call over E
 groups, and the autograd engine's AccumulateGrad of 2E expert parameters (2 E leaves vs 2); and a
-cProfile of each LRMoE row's forward (the functions with the most own host time).
+cProfile of each LRMoE row's forward (the functions with the most own and cumulative host time, and
+what the layer's forward functions call).
 
     python3 benchmarks/host_time.py --shape qwen3-30b-a3b --tokens 256 --out host_time.md
 """
@@ -67,7 +68,10 @@ def forward_profile(layer, x, grad, reps, rows=22):
         out.backward(grad)
     torch.cuda.synchronize()
     text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(rows)
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumulative").print_stats(rows)
+    stats.print_callees("forward|_backward_spec|plan_shares")
     return text.getvalue()
 
 
