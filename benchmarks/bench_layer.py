@@ -165,13 +165,19 @@ def render(name, ms, mem, failed, flops):
             f"{ratio(peak, ref[1])} |")
 
 
-def main():
-    args = parse_args()
+def init_one_process():
+    """torch.distributed (and DeepSpeed's groups) for one process on a free local port: DeepSpeed's MoE
+    layer and the EP groups need a process group even on one GPU."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]), RANK="0",
                           WORLD_SIZE="1", LOCAL_RANK="0")
     deepspeed.init_distributed()
+
+
+def main():
+    args = parse_args()
+    init_one_process()
     dev, dt = "cuda", torch.bfloat16
     cuda_ok, why = ops.cuda_ops_status()
     specs = row_specs(args)

@@ -267,6 +267,13 @@ def report_seeds(args, results, cmd, base_micro):
     return "\n".join(lines)
 
 
+def _mean_curve(curves):
+    """(the steps every {step: value} curve has, the mean value at each), ([], []) for no curves."""
+    curves = list(curves)
+    steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    return steps, [sum(c[st] for c in curves) / len(curves) for st in steps]
+
+
 def plot_seeds(args, results, path):
     """Left: each seed's held-out points, faint, and each run's mean held-out curve. Right: each run's
     gap to the exact run of its own seed at every eval, per seed (faint) and averaged."""
@@ -280,10 +287,9 @@ def plot_seeds(args, results, path):
         curves = {r["seed"]: dict(r["eval"]) for r in results if r["run"] == run and r["eval"]}
         for c in curves.values():
             ax.plot(sorted(c), [c[k] for k in sorted(c)], "o", color=f"C{i}", alpha=0.25, markersize=3)
-        steps = sorted(set.intersection(*(set(c) for c in curves.values()))) if curves else []
+        steps, mean = _mean_curve(curves.values())
         if steps:
-            ax.plot(steps, [sum(c[st] for c in curves.values()) / len(curves) for st in steps], "-", color=f"C{i}",
-                    label=f"{label}: mean over {len(curves)} seeds")
+            ax.plot(steps, mean, "-", color=f"C{i}", label=f"{label}: mean over {len(curves)} seeds")
         if run == "exact":
             continue
         gaps = {s: {st: (c[st] - exact[s][st]) / exact[s][st] * 100 for st in c if st in exact.get(s, {})}
@@ -291,10 +297,9 @@ def plot_seeds(args, results, path):
         gaps = {s: g for s, g in gaps.items() if g}
         for g in gaps.values():
             ax_gap.plot(sorted(g), [g[k] for k in sorted(g)], "-", color=f"C{i}", alpha=0.2, linewidth=0.8)
-        steps = sorted(set.intersection(*(set(g) for g in gaps.values()))) if gaps else []
+        steps, mean = _mean_curve(gaps.values())
         if steps:
-            ax_gap.plot(steps, [sum(g[st] for g in gaps.values()) / len(gaps) for st in steps], "o-", color=f"C{i}",
-                        label=f"{label}: mean over {len(gaps)} seeds")
+            ax_gap.plot(steps, mean, "o-", color=f"C{i}", label=f"{label}: mean over {len(gaps)} seeds")
     ax.set(xlabel="step", ylabel="held-out loss (nats/byte)",
            title=f"{args.name}: exact vs retention {args.ratio:g}, {len(args.seeds)} seeds")
     ax_gap.axhline(0, color="C0", linewidth=0.8)

@@ -17,16 +17,13 @@ what the layer's forward functions call).
 import argparse
 import cProfile
 import io
-import os
 import pstats
-import socket
 import statistics
 import time
 
-import deepspeed
 import torch
 import torch.nn.functional as F
-from bench_layer import SHAPES, build, to_device_flat
+from bench_layer import SHAPES, build, init_one_process, to_device_flat
 
 import lrmoe_ds
 from lrmoe_ds import ops
@@ -144,11 +141,7 @@ def main():
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]), RANK="0",
-                          WORLD_SIZE="1", LOCAL_RANK="0")
-    deepspeed.init_distributed()
+    init_one_process()
     title, H, Fh, E, k = SHAPES[args.shape]
     torch.manual_seed(0)
     x = torch.randn(args.tokens, H, device="cuda", dtype=torch.bfloat16)

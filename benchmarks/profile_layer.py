@@ -13,13 +13,11 @@ import gzip
 import json
 import os
 import shutil
-import socket
 import tempfile
 import time
 
-import deepspeed
 import torch
-from bench_layer import SHAPES, build, to_device_flat
+from bench_layer import SHAPES, build, init_one_process, to_device_flat
 from torch.profiler import ProfilerActivity, profile
 
 import lrmoe_ds
@@ -64,11 +62,7 @@ def main():
     p.add_argument("--rows", type=int, default=25, help="kernels and operators listed per layer")
     p.add_argument("--trace", default=None, help="directory to keep each layer's Chrome trace in")
     args = p.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]), RANK="0",
-                          WORLD_SIZE="1", LOCAL_RANK="0")
-    deepspeed.init_distributed()
+    init_one_process()
     _, H, Fh, E, k = SHAPES[args.shape]
     torch.manual_seed(args.tokens)
     x = torch.randn(args.tokens, H, device="cuda", dtype=torch.bfloat16)
