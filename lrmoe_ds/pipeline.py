@@ -53,13 +53,13 @@ class ExpertWeights(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, handoff: WeightGrads, *weights):
-        ctx.handoff = handoff
+        ctx.handoff, ctx.num_weights = handoff, len(weights)
         return weights[0].new_empty(0)
 
     @staticmethod
     def backward(ctx, _):
         grads, ctx.handoff.grads = ctx.handoff.grads, None
-        return (None, *grads)
+        return (None, *(grads if grads is not None else (None,) * ctx.num_weights))
 
 
 class RoutedMLP(torch.autograd.Function):

@@ -208,5 +208,8 @@ def test_expert_weight_gradients_reach_autograd_after_the_router_backward():
     for w in w1 + w2:
         w.requires_grad_(True)
     layer.zero_grad(set_to_none=True)
+    (dx,) = torch.autograd.grad(layer(x)[0].sum(), x)   # the input's gradient alone: no weight node runs
+    assert all(w.grad is None for w in w1 + w2)
+    x.grad = None
     layer(x)[0].sum().backward()
-    assert all(torch.equal(w.grad, e) for w, e in zip(w1 + w2, expected))
+    assert all(torch.equal(w.grad, e) for w, e in zip(w1 + w2, expected)) and torch.equal(dx, x.grad)
