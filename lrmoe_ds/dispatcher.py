@@ -36,11 +36,15 @@ def _inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
 class HostCopy:
     """The host copy of a small device tensor, started at once (pinned memory, non-blocking, right after
     the kernel that makes it) and waited for only where it is first read: work queued in between is
-    not waited for, and a caller that never reads it never synchronises."""
+    not waited for, and a caller that never reads it never synchronises. ``early=False`` starts nothing
+    (no pinned buffer, no event: host time where nothing is expected to read it); a read then copies
+    synchronously."""
 
-    def __init__(self, t: torch.Tensor):
-        self._event = None
-        if t.is_cuda:
+    def __init__(self, t: torch.Tensor, early: bool = True):
+        self._event = self._device = None
+        if t.is_cuda and not early:
+            self._device = t
+        elif t.is_cuda:
             self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             self._host.copy_(t, non_blocking=True)
             self._event = torch.cuda.Event()
@@ -49,6 +53,8 @@ class HostCopy:
             self._host = t
 
     def get(self) -> torch.Tensor:
+        if self._device is not None:
+            self._host, self._device = self._device.cpu(), None
         if self._event is not None:
             self._event.synchronize()
             self._event = None
@@ -176,15 +182,19 @@ class AllToAllDispatcher:
         self.num_experts, self.ep_size, self.ep_group = num_experts, ep_size, ep_group
         self.num_local_experts = num_experts // ep_size
 
-    def plan(self, topk_index: torch.Tensor, counts: torch.Tensor) -> DispatchPlan:
-        """topk_index [T, K], counts [E] (pairs per expert from this rank) -> DispatchPlan."""
+    def plan(self, topk_index: torch.Tensor, counts: torch.Tensor, early_counts: bool = True) -> DispatchPlan:
+        """topk_index [T, K], counts [E] (pairs per expert from this rank) -> DispatchPlan.
+
+        early_counts: on one rank, start the counts' host copy now (for a caller that will read
+        ``all_counts``: retention's quotas, the per-expert loop); else it is copied when first read."""
         E, El, R = self.num_experts, self.num_local_experts, self.ep_size
         _, order, _ = ops.routing_plan(topk_index.reshape(-1), E)
         row_of_pair = _inverse_permutation(order).view(topk_index.shape)
         if R == 1:
             # no collective, so no host read here: the exact CUDA path never waits for the counts; the
             # reference ops' loops read them, and retention's quota planning once the forward's GEMMs are queued
-            return DispatchPlan(order, row_of_pair, None, None, None, None, counts, HostCopy(counts.view(1, E)))
+            return DispatchPlan(order, row_of_pair, None, None, None, None, counts,
+                                HostCopy(counts.view(1, E), early_counts))
         if self.ep_group is None:
             raise RuntimeError("ep_size > 1 but the layer has no expert-parallel group: build the model's "
                                "engine with lrmoe_ds.initialize (or deepspeed.initialize) first")

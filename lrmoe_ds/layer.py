@@ -180,7 +180,10 @@ class LRMoE(MoE):
                 # before the router, so that the weights' gradients reach autograd after its backward
                 token = apply_fast(ExpertWeights, handoff, *w1, *w2)
         routing = moe.gate(x)
-        plan = moe.dispatcher.plan(routing.topk_index, routing.counts)
+        # the counts' host copy is started early only for a forward that will read it
+        reads_counts = not moe.experts.grouped or (self.lrmoe_config.enabled and self.training
+                                                   and torch.is_grad_enabled())
+        plan = moe.dispatcher.plan(routing.topk_index, routing.counts, early_counts=reads_counts)
         if moe.experts.grouped:
             spec, plan_shares = self._backward_spec(plan, x.dtype)
             out = apply_fast(RoutedMLP, x, routing.topk_weight, token, plan, moe.dispatcher, expert_type, spec,

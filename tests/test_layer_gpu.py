@@ -84,12 +84,21 @@ def test_no_host_synchronisation_on_one_gpu(retention):
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     layer(x)[0].sum().backward()  # warm-up: the first training forward reads its step counter once
     torch.cuda.synchronize()
+    plans = []
+    disp = layer.deepspeed_moe.dispatcher
+    make_plan = disp.plan
+    disp.plan = lambda *a, **kw: plans.append(make_plan(*a, **kw)) or plans[-1]
     torch.cuda.set_sync_debug_mode("error")
     try:
-        layer(x)[0].sum().backward()
+        out, _, counts = layer(x)
+        out.sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+    # the counts' early host copy is started only where retention will read it
+    started = plans[0].host_counts._event is not None or plans[0].host_counts._device is None
+    assert started == (retention is not None)
+    assert torch.equal(plans[0].all_counts.view(-1), counts.cpu())  # copied when read, lazy or not
     if retention is not None:
         assert int(layer.last_stats.quotas.sum()) < T * K
     ops.set_default_backend("auto")
