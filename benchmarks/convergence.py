@@ -29,13 +29,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUN_NAMES = ("exact", "grad_norm", "uniform")
+RUN_NAMES = ("exact", "grad_norm", "uniform", "proportional")
 
 
 def run_spec(run, ratio):
     """(label, keys set in the "lrmoe" block) of a --runs name at retention ``ratio``."""
     if run == "exact":
         return "exact (enabled false)", {"enabled": False, "retention_ratio": 1.0}
+    if run == "proportional":  # grad_norm sampling, every expert keeping the same fraction
+        return f"retention {ratio:g}, grad_norm, proportional quotas", {
+            "enabled": True, "retention_ratio": ratio, "metric": "grad_norm", "quota_allocation": "proportional"}
     return f"retention {ratio:g}, {run}", {"enabled": True, "retention_ratio": ratio, "metric": run}
 
 
@@ -52,7 +55,7 @@ def parse_args(argv=None):
                    help="launches at once (one GPU hosts several small runs; on CPU ranks they share the cores)")
     p.add_argument("--micro_batch", type=int, default=None,
                    help="train_micro_batch_size_per_gpu for every run (default: the base config's)")
-    p.add_argument("--runs", nargs="+", choices=RUN_NAMES, default=list(RUN_NAMES))
+    p.add_argument("--runs", nargs="+", choices=RUN_NAMES, default=list(RUN_NAMES[:3]))
     p.add_argument("--ratio", type=float, default=0.5, help="retention_ratio of the grad_norm and uniform runs")
     p.add_argument("--name", default=None, help="results are convergence_<name>.md/.png (default: the config's name)")
     p.add_argument("--out_dir", default=os.path.join(ROOT, "benchmarks", "results"))

@@ -23,8 +23,13 @@ class LRMoEConfig(DeepSpeedConfigModel):
     """Retention in the backward. false: every routed pair's backward runs (exact)."""
 
     retention_ratio: float = Field(1.0, gt=0.0, le=1.0)
-    """Fraction of a layer's routed pairs whose expert backward runs, in (0, 1]. Quotas are a
-    water-fill from above: cold experts keep every pair, the hottest are capped first."""
+    """Fraction of a layer's routed pairs whose expert backward runs, in (0, 1], shared among the
+    experts by ``quota_allocation``."""
+
+    quota_allocation: Literal["waterfill", "proportional"] = "waterfill"
+    """How the retained pairs are shared among experts: "waterfill" (from above: cold experts keep every
+    pair, the hottest are capped first) or "proportional" (every expert keeps the same fraction). The
+    budget's and the balance factor's per-rank cuts follow the same rule."""
 
     metric: Literal["grad_norm", "gate", "uniform"] = "grad_norm"
     """Contribution of a pair to its expert's update: ||dy_p|| ||x_p|| ("grad_norm"), the gate

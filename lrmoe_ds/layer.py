@@ -146,7 +146,8 @@ class LRMoE(MoE):
 
         def plan_shares() -> Optional[torch.Tensor]:
             n = plan.all_counts.sum(0)
-            quotas = plan_quotas(n, cfg.retention_ratio, self.ep_size, cfg.floor, cfg.balance_factor, max_rows)
+            quotas = plan_quotas(n, cfg.retention_ratio, self.ep_size, cfg.floor, cfg.balance_factor, max_rows,
+                                 cfg.quota_allocation)
             R = self.ep_size
             self.last_stats = RetentionStats(n, quotas, n.view(R, -1).sum(1), quotas.view(R, -1).sum(1), policy,
                                              stash_bytes, backward_bytes)

@@ -40,24 +40,46 @@ def _level(n: torch.Tensor, budget: int) -> torch.Tensor:
     return torch.clamp(n, max=cap)
 
 
+def _scale(n: torch.Tensor, budget: int) -> torch.Tensor:
+    """floor(n_e budget / sum n) plus one for the largest remainders (ties: lower index), summing to
+    ``budget`` (every expert keeps the same fraction, to the pair); n itself if it is within budget."""
+    vals = n.tolist()
+    total = sum(vals)
+    if total <= budget:
+        return n.clone()
+    q = [v * budget // total for v in vals]
+    rest = sorted(range(len(vals)), key=lambda i: (-(vals[i] * budget % total), i))[:budget - sum(q)]
+    for i in rest:
+        q[i] += 1
+    return torch.tensor(q, dtype=n.dtype)
+
+
+ALLOCATIONS = {"waterfill": _level, "proportional": _scale}
+
+
 def plan_quotas(counts: torch.Tensor, retention_ratio: float = 1.0, ep_size: int = 1, floor: float = 0.0,
-                balance_factor: float = float("inf"), max_rows_per_rank: Optional[int] = None) -> torch.Tensor:
+                balance_factor: float = float("inf"), max_rows_per_rank: Optional[int] = None,
+                allocation: Literal["waterfill", "proportional"] = "waterfill") -> torch.Tensor:
     """Q_e, the pairs of each expert whose backward runs.
 
     counts [E] int (n_e over the expert-parallel group; expert e lives on rank e // (E / ep_size)).
-    1. target: one cap c for all experts, the largest with sum_e min(n_e, c) <= ratio * sum_e n_e
-       (cold experts keep every pair, the hottest are capped first);
+    1. target, by ``allocation``: "waterfill" gives one cap c for all experts, the largest with
+       sum_e min(n_e, c) <= ratio * sum_e n_e (cold experts keep every pair, the hottest are capped
+       first); "proportional" keeps the same fraction of every expert's pairs;
     2. per rank, if its retained rows exceed max_rows_per_rank, or (when anything was dropped)
-       balance_factor times the mean over ranks, its own experts get a lower cap;
+       balance_factor times the mean over ranks, its own experts' quotas are cut the same way;
     3. floor: Q_e >= ceil(floor * n_e), whatever the caps.
     Ratio 1 with no budget gives Q = n (exact).
     """
+    if allocation not in ALLOCATIONS:
+        raise ValueError(f"unknown quota allocation {allocation!r}; accepted: {', '.join(ALLOCATIONS)}")
+    cut = ALLOCATIONS[allocation]
     if not 0.0 < retention_ratio <= 1.0:
         raise ValueError(f"retention_ratio must be in (0, 1], got {retention_ratio}")
     n = counts.detach().long().cpu()
     if n.numel() % ep_size:
         raise ValueError(f"{n.numel()} experts cannot be split over ep_size {ep_size}")
-    q = _level(n, int(retention_ratio * int(n.sum())))
+    q = cut(n, int(retention_ratio * int(n.sum())))
     per_rank = q.view(ep_size, -1)
     caps = [float("inf")] * ep_size
     if max_rows_per_rank is not None:
@@ -67,7 +89,7 @@ def plan_quotas(counts: torch.Tensor, retention_ratio: float = 1.0, ep_size: int
         caps = [min(c, int(balance_factor * mean)) for c in caps]
     for r, cap in enumerate(caps):
         if int(per_rank[r].sum()) > cap:
-            per_rank[r] = _level(per_rank[r], int(cap))
+            per_rank[r] = cut(per_rank[r], int(cap))
     if floor > 0:
         q = torch.maximum(q, torch.minimum(n, torch.ceil(floor * n.double()).long()))
     return q.view_as(n)

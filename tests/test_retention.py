@@ -40,6 +40,39 @@ def test_water_fill_level_is_the_largest_cap_within_the_budget(seed):
         assert torch.equal(_level(n, budget), n.clamp(max=best)), (n.tolist(), budget)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_proportional_allocation_keeps_one_fraction_to_the_pair(seed):
+    """Every expert keeps floor or ceil of ratio * n_e, the quotas sum to the target exactly, and the
+    leftover pairs go to the largest remainders (ties: lower index)."""
+    from fractions import Fraction
+    g = torch.Generator().manual_seed(seed)
+    n = torch.randint(0, 50, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g)
+    for ratio in (0.1, 0.37, 0.5, 0.99):
+        q = plan_quotas(n, ratio, allocation="proportional")
+        budget = int(ratio * int(n.sum()))
+        assert int(q.sum()) == budget and torch.all(q <= n) and torch.all(q >= 0)
+        exact = [Fraction(int(v) * budget, max(1, int(n.sum()))) for v in n]
+        assert all(int(qi) in (f.numerator // f.denominator, -(-f.numerator // f.denominator))
+                   for qi, f in zip(q, exact)), (n.tolist(), ratio, q.tolist())
+        up = {i for i, (qi, f) in enumerate(zip(q.tolist(), exact)) if qi > f}
+        down = [i for i in range(len(exact)) if i not in up and exact[i] != int(q[i])]
+        assert all(exact[i] - int(exact[i]) >= exact[j] - int(exact[j]) for i in up for j in down)
+    assert torch.equal(plan_quotas(n, 1.0, allocation="proportional"), n)
+    with pytest.raises(ValueError, match="quota allocation"):
+        plan_quotas(n, 0.5, allocation="top")
+
+
+def test_proportional_allocation_cuts_ranks_proportionally():
+    counts = torch.tensor([90, 30, 6, 6, 60, 12])    # 2 ranks: experts 0-2 and 3-5
+    # rank 0: 63/126 of each; rank 1: 63/78 of [6, 60, 12] = [4.85, 48.46, 9.69] -> remainders 0.85, 0.69 rounded up
+    capped = plan_quotas(counts, 1.0, ep_size=2, max_rows_per_rank=63, allocation="proportional")
+    assert capped.tolist() == [45, 15, 3, 5, 48, 10]
+    # 0.5 of each: [45, 15, 3 | 3, 30, 6]; rank 0 (63) over the mean (51): 51/63 of its quotas, the tie
+    # of remainders between experts 0 and 2 going to the lower index
+    balanced = plan_quotas(counts, 0.5, ep_size=2, balance_factor=1.0, allocation="proportional")
+    assert balanced.tolist() == [37, 12, 2, 3, 30, 6]
+
+
 def test_floor_budget_and_balance():
     counts = torch.tensor([90, 30, 5, 5, 60, 10])    # 2 ranks: experts 0-2 and 3-5
     assert plan_quotas(counts, 0.5, floor=0.5)[0] == 45                      # the floor wins over the target
