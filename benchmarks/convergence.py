@@ -29,16 +29,28 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUN_NAMES = ("exact", "grad_norm", "uniform", "proportional")
+RUN_NAMES = ("exact", "grad_norm", "uniform", "proportional", "ramp")
 
 
-def run_spec(run, ratio):
-    """(label, keys set in the "lrmoe" block) of a --runs name at retention ``ratio``."""
+def run_spec(run, args):
+    """(label, keys set in the "lrmoe" block) of a --runs name at retention ``args.ratio``.
+
+    "ramp": grad_norm sampling at ``args.ratio`` until ``args.ramp_start`` of the steps, then a linear
+    rise to exact (1.0) at the last step (``retention_schedule``)."""
+    ratio = args.ratio
     if run == "exact":
         return "exact (enabled false)", {"enabled": False, "retention_ratio": 1.0}
     if run == "proportional":  # grad_norm sampling, every expert keeping the same fraction
         return f"retention {ratio:g}, grad_norm, proportional quotas", {
             "enabled": True, "retention_ratio": ratio, "metric": "grad_norm", "quota_allocation": "proportional"}
+    if run == "ramp":
+        if not args.steps:
+            raise SystemExit("--runs ramp needs --steps")
+        start = int(args.ramp_start * args.steps)
+        mean = (ratio * start + (ratio + 1.0) / 2 * (args.steps - start)) / args.steps
+        return (f"retention {ratio:g} to step {start}, then up to 1 (mean {mean:.2f})",
+                {"enabled": True, "metric": "grad_norm",
+                 "retention_schedule": [[0, ratio], [start, ratio], [args.steps, 1.0]]})
     return f"retention {ratio:g}, {run}", {"enabled": True, "retention_ratio": ratio, "metric": run}
 
 
@@ -57,6 +69,8 @@ def parse_args(argv=None):
                    help="train_micro_batch_size_per_gpu for every run (default: the base config's)")
     p.add_argument("--runs", nargs="+", choices=RUN_NAMES, default=list(RUN_NAMES[:3]))
     p.add_argument("--ratio", type=float, default=0.5, help="retention_ratio of the grad_norm and uniform runs")
+    p.add_argument("--ramp_start", type=float, default=0.6,
+                   help="the ramp run: fraction of the steps at --ratio before its linear rise to exact")
     p.add_argument("--name", default=None, help="results are convergence_<name>.md/.png (default: the config's name)")
     p.add_argument("--out_dir", default=os.path.join(ROOT, "benchmarks", "results"))
     p.add_argument("--work_dir", default=None, help="configs, logs, summaries, csv (default: runs/convergence_<name>)")
@@ -86,7 +100,7 @@ def read_csv(path):
 def launch(args, run, base, seed):
     """Run train.py for one run and seed; returns its result dict (summary, curves, rc, wall seconds)."""
     config = json.loads(json.dumps(base))
-    config["lrmoe"] = {**(config.get("lrmoe") or {}), **run_spec(run, args.ratio)[1]}
+    config["lrmoe"] = {**(config.get("lrmoe") or {}), **run_spec(run, args)[1]}
     if args.micro_batch:
         config["train_micro_batch_size_per_gpu"] = args.micro_batch
         config.pop("train_batch_size", None)  # derived again by DeepSpeed from the micro batch
@@ -160,7 +174,7 @@ def report(args, results, cmd, base_micro):
              "| run | lrmoe block | final held-out loss | gap to exact | grad norm, first / last fifth | train s | wall s |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
-        label, block = run_spec(r["run"], args.ratio)
+        label, block = run_spec(r["run"], args)
         block = json.dumps(block)
         s = r["summary"]
         if s is None:
@@ -171,7 +185,7 @@ def report(args, results, cmd, base_micro):
         lines.append(f"| {label} | `{block}` | {s['end_loss']:.4f} | {gap} | {_norm_fifths(r['grad_norm'])} | "
                      f"{s['train_seconds']:.0f} | {wall} |")
     steps = sorted({st for r in results for st, _ in r["eval"]})
-    lines += ["", "Held-out loss at every eval:", "", "| step | " + " | ".join(run_spec(r["run"], args.ratio)[0] for r in results) + " |",
+    lines += ["", "Held-out loss at every eval:", "", "| step | " + " | ".join(run_spec(r["run"], args)[0] for r in results) + " |",
               "| --- |" + " --- |" * len(results)]
     for st in steps:
         vals = [dict(r["eval"]).get(st) for r in results]
@@ -186,7 +200,7 @@ def plot(args, results, path):
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, r in enumerate(results):
-        color, label = f"C{i}", run_spec(r["run"], args.ratio)[0]
+        color, label = f"C{i}", run_spec(r["run"], args)[0]
         if r["train"]:
             steps, raw = zip(*r["train"])
             a = args.smooth if args.smooth is not None else max(0.0, 1 - 50 / len(raw))  # ~len/50 points of memory
@@ -225,7 +239,7 @@ def report_seeds(args, results, cmd, base_micro):
               f"{args.parallel} launch(es) at once, train.py extra flags: `{shlex.join(args.extra) or 'none'}`. Held-out "
               "loss in nats/byte (train.py's summary `end_loss`); a run's gap = (its loss - the exact run's loss of "
               "the same seed) / the latter."), "",
-             "| seed | " + " | ".join(run_spec(run, args.ratio)[0] for run in args.runs) + " |",
+             "| seed | " + " | ".join(run_spec(run, args)[0] for run in args.runs) + " |",
              "| --- |" + " --- |" * len(args.runs)]
     for seed in args.seeds:
         cells = []
@@ -246,7 +260,7 @@ def report_seeds(args, results, cmd, base_micro):
         if not done:
             break
         mean, sd = _mean_sd([end(s, run) for s in done])
-        row = f"| {run_spec(run, args.ratio)[0]} | {mean:.4f} ({sd:.4f}) |"
+        row = f"| {run_spec(run, args)[0]} | {mean:.4f} ({sd:.4f}) |"
         if run == "exact" or "exact" not in args.runs:
             lines.append(row + " - | - | - |")
             continue
@@ -258,7 +272,7 @@ def report_seeds(args, results, cmd, base_micro):
         lines += ["", f"grad_norm ends below uniform in {wins} of {len(done)} seeds."]
     steps = sorted({st for r in results for st, _ in r["eval"]})
     lines += ["", "Mean held-out loss at every eval, over the same seeds:", "",
-              "| step | " + " | ".join(run_spec(run, args.ratio)[0] for run in args.runs) + " |",
+              "| step | " + " | ".join(run_spec(run, args)[0] for run in args.runs) + " |",
               "| --- |" + " --- |" * len(args.runs)]
     for st in steps:
         cells = []
@@ -286,7 +300,7 @@ def plot_seeds(args, results, path):
     fig, (ax, ax_gap) = plt.subplots(1, 2, figsize=(13, 5))
     exact = {r["seed"]: dict(r["eval"]) for r in results if r["run"] == "exact" and r["eval"]}
     for i, run in enumerate(args.runs):
-        label = run_spec(run, args.ratio)[0]
+        label = run_spec(run, args)[0]
         curves = {r["seed"]: dict(r["eval"]) for r in results if r["run"] == run and r["eval"]}
         for c in curves.values():
             ax.plot(sorted(c), [c[k] for k in sorted(c)], "o", color=f"C{i}", alpha=0.25, markersize=3)

@@ -8,7 +8,7 @@ Example::
 No block, or ``"enabled": false``: every LRMoE layer is an exact dropless MoE.
 """
 import json
-from typing import Any, Dict, Literal, Mapping, Optional, Union
+from typing import Any, Dict, List, Literal, Mapping, Optional, Tuple, Union
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import Field, ValidationError, model_validator
@@ -25,6 +25,12 @@ class LRMoEConfig(DeepSpeedConfigModel):
     retention_ratio: float = Field(1.0, gt=0.0, le=1.0)
     """Fraction of a layer's routed pairs whose expert backward runs, in (0, 1], shared among the
     experts by ``quota_allocation``."""
+
+    retention_schedule: Optional[List[Tuple[int, float]]] = None
+    """The target over optimizer steps instead of one ratio: [step, ratio] points, steps increasing,
+    ratios in (0, 1], linear in between, the first ratio before the first point and the last after
+    the last. E.g. [[0, 0.35], [300, 0.35], [500, 1.0]]: the backward's noise matters most late in
+    training, when the learning rate is low (benchmarks/results/README.md). Not with retention_ratio."""
 
     quota_allocation: Literal["waterfill", "proportional"] = "waterfill"
     """How the retained pairs are shared among experts: "waterfill" (from above: cold experts keep every
@@ -87,6 +93,34 @@ class LRMoEConfig(DeepSpeedConfigModel):
         if self.budget_gib is not None and self.budget_fraction is not None:
             raise ValueError("give budget_gib or budget_fraction, not both")
         return self
+
+    @model_validator(mode="after")
+    def _one_target(self):
+        points = self.retention_schedule
+        if points is None:
+            return self
+        if "retention_ratio" in self.model_fields_set:
+            raise ValueError("give retention_ratio or retention_schedule, not both")
+        if not points:
+            raise ValueError("retention_schedule needs at least one [step, ratio] point")
+        steps = [step for step, _ in points]
+        if steps[0] < 0 or any(b <= a for a, b in zip(steps, steps[1:])):
+            raise ValueError(f"retention_schedule steps must be >= 0 and increasing, got {steps}")
+        if not all(0.0 < ratio <= 1.0 for _, ratio in points):
+            raise ValueError(f"retention_schedule ratios must be in (0, 1], got {[r for _, r in points]}")
+        return self
+
+    def retention_at(self, step: int) -> float:
+        """The retention target at optimizer step ``step``: ``retention_ratio``, or the schedule's."""
+        points = self.retention_schedule
+        if points is None:
+            return self.retention_ratio
+        if step <= points[0][0]:
+            return points[0][1]
+        for (s0, r0), (s1, r1) in zip(points, points[1:]):
+            if step < s1:  # strictly inside: a point's own step gets its ratio exactly (1.0 stays exact)
+                return r0 + (r1 - r0) * (step - s0) / (s1 - s0)
+        return points[-1][1]
 
 
 

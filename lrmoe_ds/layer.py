@@ -115,6 +115,9 @@ class LRMoE(MoE):
         # A host copy avoids reading the device buffer (a synchronisation) every forward.
         self.register_buffer("retention_step", torch.zeros((), dtype=torch.long))
         self._retention_step_host: Optional[int] = None
+        # the optimizer step, set by the memory planner under lrmoe_ds.initialize (the retention schedule's
+        # clock); None: the schedule follows the training forwards instead
+        self.optimizer_step: Optional[int] = None
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
@@ -144,23 +147,24 @@ class LRMoE(MoE):
         stash_bytes, backward_bytes = expert_row_bytes(self.hidden_size, ffn, expert.activation,
                                                        torch.finfo(dtype).bits // 8)
 
+        if self._retention_step_host is None:
+            self._retention_step_host = int(self.retention_step)
+        ratio = cfg.retention_at(self._retention_step_host if self.optimizer_step is None else self.optimizer_step)
+
         def plan_shares() -> Optional[torch.Tensor]:
             n = plan.all_counts.sum(0)
-            quotas = plan_quotas(n, cfg.retention_ratio, self.ep_size, cfg.floor, cfg.balance_factor, max_rows,
-                                 cfg.quota_allocation)
+            quotas = plan_quotas(n, ratio, self.ep_size, cfg.floor, cfg.balance_factor, max_rows, cfg.quota_allocation)
             R = self.ep_size
             self.last_stats = RetentionStats(n, quotas, n.view(R, -1).sum(1), quotas.view(R, -1).sum(1), policy,
                                              stash_bytes, backward_bytes)
             return None if torch.equal(quotas, n) else rank_shares(quotas, plan.all_counts)
 
-        if self._retention_step_host is None:
-            self._retention_step_host = int(self.retention_step)
         rank = dist.get_rank() if dist.is_initialized() else 0  # every rank samples its own pairs
         key = f"{cfg.seed}/{self.layer_number}/{self._retention_step_host}/{rank}".encode()
         seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
         self.last_selection = {} if self.keep_last_selection else None
         # ratio 1 without a row cap keeps every pair (the floor only raises quotas): x's norms are not needed
-        may_drop = cfg.retention_ratio < 1.0 or max_rows is not None
+        may_drop = ratio < 1.0 or max_rows is not None
         return BackwardSpec(policy, cfg.router_grad, None, may_drop, cfg.metric, cfg.selection, cfg.rescale, seed,
                             self.last_selection), plan_shares
 

@@ -124,6 +124,8 @@ class MemoryPlanner:
 
     def on_step(self, step: int) -> None:
         """Measures the step that just finished (the first call only starts measuring), reports it, re-plans."""
+        for layer in self.layers:
+            layer.optimizer_step = step  # the retention schedule's clock
         peak = self._memory("max_memory_allocated")
         self._memory("reset_max_memory_allocated")
         first, self.last_step = self.last_step is None, step

@@ -185,6 +185,16 @@ def test_forward_pre_hook_calls_on_step_once_per_global_step():
     assert calls == [0, 1, 2]
 
 
+def test_on_step_gives_layers_the_optimizer_step():
+    """The retention schedule's clock: each layer learns the optimizer step at its first forward."""
+    layers = [SimpleNamespace(optimizer_step=None, last_stats=None, memory_plan=MemoryPlan(), layer_number=i)
+              for i in range(2)]
+    planner = MemoryPlanner(LRMoEConfig(enabled=True), layers, accelerator=FakeAccelerator())
+    for step in (0, 7):
+        planner.on_step(step)
+        assert [layer.optimizer_step for layer in layers] == [step, step]
+
+
 def test_attach_counts_zero_partitions_and_optimizer_state():
     inner = SimpleNamespace(state={"p": {"exp_avg": torch.zeros(250), "exp_avg_sq": torch.zeros(250), "step": 3}})
     zero = SimpleNamespace(single_partition_of_fp32_groups=[torch.zeros(1000)], optimizer=inner)

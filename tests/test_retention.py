@@ -165,6 +165,32 @@ def configure(layer, **kw):
     layer.configure(lrmoe_ds.LRMoEConfig(enabled=True, **kw))
 
 
+def test_retention_schedule_sets_each_steps_target():
+    """The quotas follow the schedule: by the training forwards, or by the optimizer step once the
+    memory planner has set it; where the schedule reaches 1 the backward is exact again."""
+    layer, x = make_layer()
+    configure(layer, retention_schedule=[[0, 0.25], [2, 0.25], [4, 1.0]])
+    pairs = T * K
+    for step, ratio in enumerate([0.25, 0.25, 0.25, 0.625, 1.0, 1.0]):
+        layer_grads(layer, x, step=step)
+        kept = int(layer.last_stats.quotas.sum())
+        assert int(ratio * pairs) - E <= kept <= int(ratio * pairs), (step, kept)
+    dx_exact, grads_exact = layer_grads(lrmoe_ds_exact(layer), x)
+    dx, grads = layer_grads(layer, x, step=4)
+    assert torch.equal(dx, dx_exact) and all(torch.equal(a, b) for a, b in zip(grads, grads_exact))
+    layer.optimizer_step = 3                     # the planner's clock wins over the forward count
+    layer_grads(layer, x, step=0)
+    assert int(0.625 * pairs) - E <= int(layer.last_stats.quotas.sum()) <= int(0.625 * pairs)
+
+
+def lrmoe_ds_exact(layer):
+    """``layer`` reconfigured as the exact layer (retention off)."""
+    import copy
+    exact = copy.deepcopy(layer)
+    exact.configure(lrmoe_ds.LRMoEConfig())
+    return exact
+
+
 @pytest.mark.parametrize("policy", ["stash", "recompute"])
 def test_ratio_one_is_bit_exact(policy):
     layer, x = make_layer()
