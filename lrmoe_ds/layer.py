@@ -134,12 +134,16 @@ class LRMoE(MoE):
         # "auto" starts from stash; the memory planner switches a layer to recompute if it must
         self.memory_plan = MemoryPlan("stash" if config.policy == "auto" else config.policy)
 
+    def _retains(self) -> bool:
+        """Whether this forward's expert backward samples pairs (and so plans quotas from the counts)."""
+        return self.lrmoe_config.enabled and self.training and torch.is_grad_enabled()
+
     def _backward_spec(self, plan: DispatchPlan, dtype: torch.dtype):
         """(the backward's settings, a function that plans its quotas and shares or None): the plan comes
         from the global counts (the same on every rank), so on one rank it makes the layer's one host
         read; the caller runs it once the forward's kernels are queued (see forward)."""
         cfg = self.lrmoe_config
-        if not (cfg.enabled and self.training and torch.is_grad_enabled()):
+        if not self._retains():
             return BackwardSpec(), None
         policy, max_rows = self.memory_plan.policy, self.memory_plan.max_rows_per_rank
         expert = self.deepspeed_moe.experts.deepspeed_experts[0]
@@ -186,9 +190,8 @@ class LRMoE(MoE):
                 token = apply_fast(ExpertWeights, handoff, *w1, *w2)
         routing = moe.gate(x)
         # the counts' host copy is started early only for a forward that will read it
-        reads_counts = not moe.experts.grouped or (self.lrmoe_config.enabled and self.training
-                                                   and torch.is_grad_enabled())
-        plan = moe.dispatcher.plan(routing.topk_index, routing.counts, early_counts=reads_counts)
+        plan = moe.dispatcher.plan(routing.topk_index, routing.counts,
+                                   early_counts=not moe.experts.grouped or self._retains())
         if moe.experts.grouped:
             spec, plan_shares = self._backward_spec(plan, x.dtype)
             out = apply_fast(RoutedMLP, x, routing.topk_weight, token, plan, moe.dispatcher, expert_type, spec,
