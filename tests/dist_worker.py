@@ -4,6 +4,7 @@
   gradient are compared with a single-process, ep_size-1 model on the same global batch.
 --mode checkpoint: ZeRO 2, ep_size 2: save, continue, reload into a fresh engine, continue again.
 --mode badkey: lrmoe_ds.initialize with a misspelled "lrmoe" key (must fail with a clear error).
+--mode hf: a tiny Hugging Face Qwen3-MoE model converted with ep_size 2 against the unconverted one.
 Rank 0 writes a JSON of the measured differences to --out.
 """
 import argparse
@@ -252,9 +253,33 @@ def run_checkpoint(args):
             "resumed": resumed, "expert_files": None}
 
 
+def run_hf(args):
+    """A Hugging Face Qwen3-MoE model converted with ep_size 2: each rank keeps 2 of the 4 experts, and
+    the engine's logits and backward match the unconverted model's on every rank."""
+    from test_hf import V, tiny
+    model = tiny("qwen3")  # the same weights on both ranks (one seed)
+    ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(1 + dist.get_rank()))
+    probe = torch.linspace(-1, 1, 2 * 12 * V).view(2, 12, V)
+    ref = model(input_ids=ids).logits
+    (ref * probe).sum().backward()
+    ref_grad = model.model.embed_tokens.weight.grad.clone()
+    dist.all_reduce(ref_grad)
+    ref_grad /= dist.get_world_size()  # DeepSpeed averages the data-parallel gradients over the ranks
+    model.zero_grad(set_to_none=True)
+    names = lrmoe_ds.convert_hf_moe(model, ep_size=2)
+    engine, _, _, _ = lrmoe_ds.initialize(model=model, config=ds_config(0))
+    out = engine(input_ids=ids).logits
+    engine.backward((out * probe).sum())
+    diffs = torch.tensor([float((out - ref).abs().max()),
+                          rel(model.model.embed_tokens.weight.grad, ref_grad)])
+    dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
+    local = [len(model.get_submodule(n).moe.deepspeed_moe.experts.deepspeed_experts) for n in names]
+    return {"logits_max_diff": float(diffs[0]), "embed_grad_rel_diff": float(diffs[1]), "local_experts": local}
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["train", "checkpoint", "badkey"], required=True)
+    parser.add_argument("--mode", choices=["train", "checkpoint", "badkey", "hf"], required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--local_rank", type=int, default=0)
@@ -264,7 +289,7 @@ def main():
         model = Net(ep_size=2)
         lrmoe_ds.initialize(model=model, config=ds_config(2, {"enabled": True, "retention_ratoi": 0.5}))
         return
-    result = run_train(args) if args.mode == "train" else run_checkpoint(args)
+    result = {"train": run_train, "checkpoint": run_checkpoint, "hf": run_hf}[args.mode](args)
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

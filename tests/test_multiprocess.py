@@ -65,3 +65,13 @@ def test_bad_lrmoe_key_fails_clearly(tmp_path):
     proc, log = launch(tmp_path, "--mode", "badkey", "--out", str(tmp_path / "x.json"), timeout=300)
     assert proc.returncode != 0
     assert 'unknown key "retention_ratoi"; accepted keys: enabled, retention_ratio' in log, log[-3000:]
+
+
+def test_hf_model_converted_with_ep2_matches_the_original(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "hf.json"
+    proc, log = launch(tmp_path, "--mode", "hf", "--out", str(out), timeout=300)
+    assert proc.returncode == 0, log[-6000:]
+    result = json.loads(out.read_text())
+    assert result["local_experts"] == [2, 2], result                  # 4 experts over 2 EP ranks
+    assert result["logits_max_diff"] < 1e-4 and result["embed_grad_rel_diff"] < 1e-4, result

@@ -1,0 +1,134 @@
+"""Hugging Face MoE blocks to LRMoE layers.
+
+``convert_hf_moe(model)`` replaces every sparse MoE block of a Hugging Face model that has a softmax
+top-k router and SwiGLU experts (Qwen3-MoE, Mixtral, OLMoE and the like) with an
+:class:`HFMoEBlock`: an :class:`~lrmoe_ds.LRMoE` layer holding the same weights, called like the
+block it replaces. The model then computes what it computed before (up to the router's fp32 logits),
+and ``lrmoe_ds.initialize`` or ``configure_model`` find its layers as for any LRMoE model.
+
+Recognised by structure, not by class name: ``block.gate`` has ``weight`` [E, H] and ``top_k``
+(optionally ``norm_topk_prob``; a router without it renormalises, as Mixtral's does), and
+``block.experts`` holds stacked ``gate_up_proj`` [E, 2F, H] (gate rows first) and ``down_proj``
+[E, H, F] with a SiLU activation, as transformers >= 5 lays out Qwen3-MoE, Mixtral, OLMoE and others.
+Anything else (a shared expert, router jitter, biases, another activation, transformers 4's list of
+expert modules) is refused with the reason, not converted approximately.
+"""
+from typing import List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from lrmoe_ds.layer import LRMoE
+
+
+class HFMoEBlock(nn.Module):
+    """An LRMoE layer called like a Hugging Face sparse MoE block: hidden_states [B, S, H] -> [B, S, H].
+
+    The layer's load-balancing loss of the last forward is kept as ``l_aux`` (Hugging Face's own
+    router-logit auxiliary loss does not see the converted blocks: add ``coef * l_aux`` of each
+    block to the loss, see :func:`aux_loss`)."""
+
+    def __init__(self, moe: LRMoE):
+        super().__init__()
+        self.moe = moe
+        self.l_aux: Optional[torch.Tensor] = None
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        out, self.l_aux, _ = self.moe(hidden_states)
+        return out
+
+
+def _refuse(name: str, block: nn.Module, why: str) -> ValueError:
+    return ValueError(f"cannot convert {name} ({type(block).__name__}) to LRMoE: {why}")
+
+
+def _is_silu(act) -> bool:
+    return isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")
+
+
+def _expert_weights(name: str, block: nn.Module) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up [E, 2F, H] with the gate rows first, down [E, H, F]) of a block's experts."""
+    experts = block.experts
+    if isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
+        if getattr(experts, "has_bias", False) or getattr(experts, "gate_up_proj_bias", None) is not None:
+            raise _refuse(name, block, "its experts have biases")
+        if not getattr(experts, "is_concatenated", True):
+            raise _refuse(name, block, "its gate and up rows are interleaved")
+        if getattr(experts, "has_post_expert_norm", False):
+            raise _refuse(name, block, "its experts normalise their outputs")
+        gate_up, down = experts.gate_up_proj, experts.down_proj
+        if getattr(experts, "is_transposed", False):
+            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        if not _is_silu(getattr(experts, "act_fn", None)):
+            raise _refuse(name, block, f"its expert activation is {type(getattr(experts, 'act_fn', None)).__name__}, "
+                                       "not SiLU (LRMoE's grouped experts are SwiGLU)")
+        return gate_up.detach(), down.detach()
+    if isinstance(experts, nn.ModuleList):
+        raise _refuse(name, block, "its experts are a list of modules (transformers 4's layout, whose blocks also "
+                                   "return router logits); transformers >= 5 stacks them, which is what converts")
+    raise _refuse(name, block, "its experts have no stacked gate_up_proj/down_proj")
+
+
+def _is_moe_block(block: nn.Module) -> bool:
+    gate = getattr(block, "gate", None)
+    return (gate is not None and hasattr(block, "experts") and isinstance(getattr(gate, "weight", None), torch.Tensor)
+            and getattr(gate, "weight").dim() == 2 and (hasattr(gate, "top_k") or hasattr(block, "top_k")))
+
+
+def to_lrmoe(name: str, block: nn.Module, ep_size: int = 1) -> HFMoEBlock:
+    """One Hugging Face sparse MoE block as an :class:`HFMoEBlock` with the same weights, dtype and device."""
+    for extra in ("shared_expert", "shared_experts", "shared_expert_gate"):
+        if getattr(block, extra, None) is not None:
+            raise _refuse(name, block, f"it has a {extra} (not part of LRMoE's layer)")
+    if getattr(block, "jitter_noise", 0) or getattr(block.gate, "jitter_noise", 0):
+        raise _refuse(name, block, "its router adds jitter noise in training (set router_jitter_noise=0)")
+    if getattr(block.gate, "bias", None) is not None:
+        raise _refuse(name, block, "its router has a bias")
+    wg = block.gate.weight.detach()
+    num_experts, hidden = wg.shape
+    top_k = getattr(block.gate, "top_k", None) or block.top_k
+    norm_topk_prob = bool(getattr(block.gate, "norm_topk_prob", getattr(block, "norm_topk_prob", True)))
+    gate_up, down = _expert_weights(name, block)
+    if gate_up.shape[0] != num_experts or gate_up.shape[2] != hidden or down.shape[:2] != (num_experts, hidden):
+        raise _refuse(name, block, f"router weight {tuple(wg.shape)}, expert weights {tuple(gate_up.shape)} and "
+                                   f"{tuple(down.shape)} do not agree")
+    ffn = down.shape[2]
+    if gate_up.shape[1] != 2 * ffn:
+        raise _refuse(name, block, f"gate_up rows {gate_up.shape[1]} != 2 x expert hidden {ffn}")
+    moe = LRMoE(hidden, num_experts=num_experts, ep_size=ep_size, k=top_k, ffn_hidden_size=ffn,
+                activation="swiglu", score_func="softmax", norm_topk_prob=norm_topk_prob)
+    moe.to(device=wg.device, dtype=wg.dtype)
+    # the EP rank as LRMoE takes it (DeepSpeed's default layout): local expert i is global expert first + i
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    first = moe.num_local_experts * (rank % ep_size)
+    with torch.no_grad():
+        moe.deepspeed_moe.gate.wg.weight.copy_(wg)
+        for i, expert in enumerate(moe.deepspeed_moe.experts.deepspeed_experts):
+            expert.gate_up_proj.weight.copy_(gate_up[first + i])
+            expert.down_proj.weight.copy_(down[first + i])
+    return HFMoEBlock(moe).train(block.training)
+
+
+def convert_hf_moe(model: nn.Module, ep_size: int = 1) -> List[str]:
+    """Replace every sparse MoE block of ``model`` by an :class:`HFMoEBlock` (in place); returns their names.
+
+    With ``ep_size`` > 1 (call after ``deepspeed.init_distributed``) each rank keeps its own experts,
+    ``E / ep_size`` of them, as DeepSpeed's MoE lays them out. Raises ValueError naming the first block
+    that looks like a MoE block but cannot be converted exactly, and when there is no MoE block at all.
+    """
+    targets = [(name, module) for name, module in model.named_modules()
+               if name and _is_moe_block(module) and not isinstance(module, (HFMoEBlock, LRMoE))]
+    if not targets:
+        raise ValueError(f"no sparse MoE block (a .gate with a [E, H] weight and top_k, and .experts) in "
+                         f"{type(model).__name__}")
+    converted = [(name, to_lrmoe(name, block, ep_size)) for name, block in targets]  # all checked before any swap
+    for name, new in converted:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    return [name for name, _ in converted]
+
+
+def aux_loss(model: nn.Module) -> torch.Tensor:
+    """The sum of the converted blocks' load-balancing losses of the last forward (0 if none ran)."""
+    losses = [m.l_aux for m in model.modules() if isinstance(m, HFMoEBlock) and m.l_aux is not None]
+    return torch.stack(losses).sum() if losses else torch.zeros(())

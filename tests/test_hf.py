@@ -1,0 +1,112 @@
+"""The Hugging Face converter: tiny Qwen3-MoE and Mixtral models (built from configs, nothing
+downloaded) compute the same logits and gradients after their MoE blocks become LRMoE layers."""
+import pytest
+import torch
+
+import lrmoe_ds
+from lrmoe_ds.hf import HFMoEBlock, aux_loss, convert_hf_moe
+
+transformers = pytest.importorskip("transformers")
+
+H, E, K, F, V, LAYERS = 32, 4, 2, 24, 64, 2
+
+
+def tiny(family: str, **overrides):
+    common = dict(vocab_size=V, hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=2, num_key_value_heads=1,
+                  max_position_embeddings=64, num_experts_per_tok=K, hidden_act="silu", tie_word_embeddings=False)
+    if family == "qwen3":
+        config = transformers.Qwen3MoeConfig(num_experts=E, moe_intermediate_size=F, intermediate_size=2 * F,
+                                             decoder_sparse_step=1, mlp_only_layers=[], head_dim=16,
+                                             **{**common, **overrides})
+        model = transformers.Qwen3MoeForCausalLM(config)
+    else:
+        config = transformers.MixtralConfig(num_local_experts=E, intermediate_size=F,
+                                            **{**common, "router_jitter_noise": 0.0, **overrides})
+        model = transformers.MixtralForCausalLM(config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():  # the routers start at zero: random weights make routing non-trivial
+            p.normal_(0.0, 0.3)
+    return model.float()
+
+
+def logits_and_grads(model, ids):
+    model.zero_grad()
+    out = model(input_ids=ids).logits
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def expert_grads_hf(grads, prefix):
+    """Per expert (gate_up [2F, H], down [H, F]) gradients from the stacked Hugging Face ones."""
+    gu, dn = grads[f"{prefix}.experts.gate_up_proj"], grads[f"{prefix}.experts.down_proj"]
+    return [(gu[e], dn[e]) for e in range(E)]
+
+
+@pytest.mark.parametrize("family,overrides", [("qwen3", {"norm_topk_prob": True}), ("qwen3", {"norm_topk_prob": False}),
+                                              ("mixtral", {})])
+def test_converted_model_matches_the_original(family, overrides):
+    model = tiny(family, **overrides)
+    ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(1))
+    ref_out, ref_grads = logits_and_grads(model, ids)
+    names = convert_hf_moe(model)
+    assert names == [f"model.layers.{i}.mlp" for i in range(LAYERS)]
+    assert all(isinstance(model.get_submodule(n), HFMoEBlock) for n in names)
+    assert len(lrmoe_ds.lrmoe_layers(model)) == LAYERS
+    out, grads = logits_and_grads(model, ids)
+    # the same routing and weights; the router's logits are fp32 in both, its scores differ by rounding
+    assert torch.allclose(out, ref_out, rtol=1e-4, atol=1e-4), float((out - ref_out).abs().max())
+    for n, g in ref_grads.items():
+        if ".mlp." not in n:
+            assert torch.allclose(grads[n], g, rtol=1e-3, atol=1e-4), n
+    for i, name in enumerate(names):
+        moe = model.get_submodule(name).moe
+        assert torch.allclose(grads[f"{name}.moe.deepspeed_moe.gate.wg.weight"], ref_grads[f"{name}.gate.weight"],
+                              rtol=1e-3, atol=1e-4)
+        for e, (gu, dn) in enumerate(expert_grads_hf(ref_grads, name)):
+            expert = moe.deepspeed_moe.experts.deepspeed_experts[e]
+            assert torch.allclose(expert.gate_up_proj.weight.grad, gu, rtol=1e-3, atol=1e-4), (name, e)
+            assert torch.allclose(expert.down_proj.weight.grad, dn, rtol=1e-3, atol=1e-4), (name, e)
+    assert aux_loss(model).ndim == 0 and float(aux_loss(model).detach()) > 0  # each block's load-balancing loss
+
+
+def test_converted_model_trains_with_retention():
+    """After conversion the model is an LRMoE model: the "lrmoe" block applies, and at retention 0.5
+    the expert backward keeps about half of each layer's pairs."""
+    model = tiny("qwen3")
+    convert_hf_moe(model)
+    lrmoe_ds.configure_model(model, lrmoe_ds.LRMoEConfig(enabled=True, retention_ratio=0.5))
+    model.train()
+    ids = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(2))
+    model(input_ids=ids).logits.sum().backward()
+    for layer in lrmoe_ds.lrmoe_layers(model):
+        kept, pairs = int(layer.last_stats.quotas.sum()), int(layer.last_stats.counts.sum())
+        assert pairs == 2 * 16 * K and pairs // 2 - E <= kept <= pairs // 2
+
+
+def test_refuses_what_it_cannot_convert_exactly():
+    model = tiny("mixtral", router_jitter_noise=0.1)
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp \(MixtralSparseMoeBlock\).*jitter"):
+        convert_hf_moe(model)
+    assert not any(isinstance(m, HFMoEBlock) for m in model.modules())  # nothing swapped
+    model = tiny("qwen3", hidden_act="gelu")
+    with pytest.raises(ValueError, match="not SiLU"):
+        convert_hf_moe(model)
+    with pytest.raises(ValueError, match="no sparse MoE block"):
+        convert_hf_moe(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def test_transposed_expert_storage_converts_to_the_same_weights():
+    """transformers marks experts stored as [E, H, 2F] / [E, F, H] with is_transposed."""
+    import copy
+    model = tiny("qwen3")
+    flipped = copy.deepcopy(model)
+    for block in (flipped.model.layers[i].mlp for i in range(LAYERS)):
+        ex = block.experts
+        ex.gate_up_proj = torch.nn.Parameter(ex.gate_up_proj.detach().transpose(1, 2).contiguous())
+        ex.down_proj = torch.nn.Parameter(ex.down_proj.detach().transpose(1, 2).contiguous())
+        ex.is_transposed = True
+    convert_hf_moe(model)
+    convert_hf_moe(flipped)
+    for a, b in zip(lrmoe_ds.lrmoe_layers(model), lrmoe_ds.lrmoe_layers(flipped)):
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
