@@ -79,7 +79,7 @@ def select_retained(metric: torch.Tensor, group_sizes: torch.Tensor, quotas: tor
     m = metric.index_select(0, kept)
     # each kept position's group: kept positions are grouped, so a search in the groups' ends finds it
     tau_row = tau.index_select(0, torch.bucketize(kept, group_sizes.to(kept.device).cumsum(0), right=True))
-    # tau = 0 means the whole group is kept: weight 1. Where tau > 0 a kept key is >= tau > 0, so m > 0.
-    scale = torch.where(tau_row > 0, torch.clamp(tau_row / m.clamp_min(torch.finfo(m.dtype).tiny), min=1.0),
-                        torch.ones_like(m))
+    # tau = 0 (the whole group kept, or fewer non-zero metrics than the quota): 0 / m, clamped up, is weight 1
+    # (m is clamped off 0, so no 0/0). Where tau > 0 a kept key is >= tau > 0, so m > 0 and its clamp changes nothing.
+    scale = (tau_row / m.clamp_min(torch.finfo(m.dtype).tiny)).clamp_min(1.0)
     return kept, scale, kept_sizes

@@ -112,6 +112,17 @@ def test_priority_sampling_keeps_quota_and_is_deterministic():
     assert not torch.equal(kept, other[0]) or not torch.equal(scale, other[1])
 
 
+def test_zero_metrics_get_finite_weights():
+    """A kept pair of metric 0 (its weight-gradient term is 0) weighs 1 where its group's threshold is 0:
+    a fully kept group, or one with fewer non-zero metrics than its quota. No 0/0."""
+    metric = torch.tensor([0.0, 0.5, 0.0, 0.0, 0.3, 0.0, 0.0, 0.2, 0.0, 0.9, 0.4])
+    sizes, quotas = torch.tensor([3, 4, 4]), torch.tensor([3, 2, 2])
+    kept, scale, kept_sizes = select_retained(metric, sizes, quotas)
+    assert kept_sizes.tolist() == [3, 2, 2] and torch.all(torch.isfinite(scale))
+    assert torch.all(scale[:5] == 1) and 4 in kept[3:5].tolist()   # groups 0 and 1: threshold 0
+    assert torch.all(metric[kept[5:]] > 0) and torch.all(scale[5:] >= 1)  # group 2: a positive threshold
+
+
 def test_priority_sampling_is_unbiased():
     # E[sum_kept scale_p * v_p] = sum_p v_p for each group, whatever the metric
     g = torch.Generator().manual_seed(1)
