@@ -18,6 +18,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
+from lrmoe_ds.experts import SwiGLUExpert
 from lrmoe_ds.layer import LRMoE
 
 
@@ -95,8 +96,9 @@ def to_lrmoe(name: str, block: nn.Module, ep_size: int = 1) -> HFMoEBlock:
     ffn = down.shape[2]
     if gate_up.shape[1] != 2 * ffn:
         raise _refuse(name, block, f"gate_up rows {gate_up.shape[1]} != 2 x expert hidden {ffn}")
-    moe = LRMoE(hidden, num_experts=num_experts, ep_size=ep_size, k=top_k, ffn_hidden_size=ffn,
-                activation="swiglu", score_func="softmax", norm_topk_prob=norm_topk_prob)
+    # one expert, copied (DeepSpeed's way), instead of E initialised apart: the weights are overwritten below
+    moe = LRMoE(hidden, SwiGLUExpert(hidden, ffn), num_experts=num_experts, ep_size=ep_size, k=top_k,
+                score_func="softmax", norm_topk_prob=norm_topk_prob)
     moe.to(device=wg.device, dtype=wg.dtype)
     # the EP rank as LRMoE takes it (DeepSpeed's default layout): local expert i is global expert first + i
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
