@@ -164,6 +164,33 @@ class ByteMoELM(nn.Module):
         return lm_loss, torch.stack([a.float() for a in aux]).sum(), torch.stack(counts)
 
 
+class HFQwen3MoeLM(nn.Module):
+    """The same byte-level job on a Hugging Face Qwen3-MoE model of the same size (transformers >= 5, built
+    from a config, nothing downloaded), its MoE blocks converted to LRMoE layers by lrmoe_ds.convert_hf_moe.
+    forward(idx [B, S], targets [B, S]) -> (lm_loss, aux_loss, exp_counts [L, E]), as ByteMoELM."""
+
+    def __init__(self, args):
+        super().__init__()
+        import transformers
+        import lrmoe_ds
+        config = transformers.Qwen3MoeConfig(
+            vocab_size=256, hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+            num_key_value_heads=args.heads, head_dim=args.hidden // args.heads, num_experts=args.experts,
+            num_experts_per_tok=args.top_k, moe_intermediate_size=args.ffn, intermediate_size=args.ffn,
+            decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=args.seq_len,
+            tie_word_embeddings=args.tied_head, norm_topk_prob=True, output_router_logits=False)
+        self.hf = transformers.Qwen3MoeForCausalLM(config)
+        lrmoe_ds.convert_hf_moe(self.hf, ep_size=args.ep_size)
+        self.blocks = [m for m in self.hf.modules() if isinstance(m, lrmoe_ds.hf.HFMoEBlock)]
+
+    def forward(self, idx, targets):
+        logits = self.hf(input_ids=idx).logits
+        lm_loss = F.cross_entropy(logits.float().view(-1, 256), targets.reshape(-1))
+        aux = torch.stack([b.l_aux.float() for b in self.blocks]).sum()
+        counts = torch.stack([b.exp_counts.to(device=idx.device, dtype=torch.float32) for b in self.blocks])
+        return lm_loss, aux, counts
+
+
 # --------------------------------------------------------------------------------------------------
 # Data
 # --------------------------------------------------------------------------------------------------
@@ -305,6 +332,9 @@ def build_parser():
                    help="expert-parallel size (default: gcd(world size, --experts), as much as they allow)")
     p.add_argument("--aux_loss_coef", type=float, default=0.01)
     p.add_argument("--tied_head", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--arch", choices=["byte_moe", "hf_qwen3_moe"], default="byte_moe",
+                   help="byte_moe: this file's model; hf_qwen3_moe: a Hugging Face Qwen3-MoE of the same size, "
+                        "its MoE blocks converted to LRMoE (needs transformers >= 5 and --moe_impl lrmoe)")
     p.add_argument("--moe_impl", choices=["lrmoe", "deepspeed"], default="lrmoe",
                    help="lrmoe: lrmoe_ds.LRMoE (the default); deepspeed: deepspeed.moe.layer.MoE, dropless (baseline)")
     p.add_argument("--seed", type=int, default=1234)
@@ -381,7 +411,9 @@ def main(argv=None):
     train_data, val_data, desc = load_corpus(args.data, args.train_bytes, args.val_bytes, args.val_every,
                                              args.stdlib_tests)
     sampler = WindowSampler(train_data, args.seq_len, args.seed)
-    model = ByteMoELM(args)
+    if args.arch == "hf_qwen3_moe" and args.moe_impl != "lrmoe":
+        raise SystemExit("--arch hf_qwen3_moe converts its MoE blocks to LRMoE: it needs --moe_impl lrmoe")
+    model = ByteMoELM(args) if args.arch == "byte_moe" else HFQwen3MoeLM(args)
     config = load_config(args)
     args.deepspeed_config = None  # passed as a dict below
     engine, _, _ = initialize(args, model, config)
@@ -392,7 +424,7 @@ def main(argv=None):
     n_params = sum(p.numel() for p in model.parameters())
     log = print if rank == 0 else (lambda *a, **k: None)
     log(f"data: {desc}")
-    log(f"model: {args.layers} layers, hidden {args.hidden}, {args.experts} experts "
+    log(f"model: {args.arch}, {args.layers} layers, hidden {args.hidden}, {args.experts} experts "
         f"(ffn {args.ffn}, top-{args.top_k}), "
         f"ep_size {args.ep_size}, {args.moe_impl}; {n_params} parameters on rank 0; world {world}, "
         f"global batch {global_batch} x {args.seq_len} bytes (micro {mb}, accumulation {gas})")
@@ -490,7 +522,7 @@ def main(argv=None):
     summary = {"start_step": start_step, "end_step": step, "start_loss": start_loss, "end_loss": end_loss,
                "evals": evals, "seconds": wall, "train_seconds": train_time, "tokens": tokens,
                "tokens_per_s": tokens / max(train_time, 1e-9),
-               "world": world, "ep_size": args.ep_size, "moe_impl": args.moe_impl}
+               "world": world, "ep_size": args.ep_size, "moe_impl": args.moe_impl, "arch": args.arch}
     log(f"final: held-out loss {start_loss:.4f} -> {end_loss:.4f} nats/byte (step {start_step} -> {step}), "
         f"{tokens} tokens, {wall:.0f} s ({tokens / max(train_time, 1e-9):.0f} tokens/s in training)")
     if rank == 0 and args.summary_json:

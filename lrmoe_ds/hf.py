@@ -25,17 +25,18 @@ from lrmoe_ds.layer import LRMoE
 class HFMoEBlock(nn.Module):
     """An LRMoE layer called like a Hugging Face sparse MoE block: hidden_states [B, S, H] -> [B, S, H].
 
-    The layer's load-balancing loss of the last forward is kept as ``l_aux`` (Hugging Face's own
-    router-logit auxiliary loss does not see the converted blocks: add ``coef * l_aux`` of each
-    block to the loss, see :func:`aux_loss`)."""
+    The layer's load-balancing loss and pairs per expert of the last forward are kept as ``l_aux`` and
+    ``exp_counts`` (Hugging Face's own router-logit auxiliary loss does not see the converted blocks:
+    add ``coef * l_aux`` of each block to the loss, see :func:`aux_loss`)."""
 
     def __init__(self, moe: LRMoE):
         super().__init__()
         self.moe = moe
         self.l_aux: Optional[torch.Tensor] = None
+        self.exp_counts: Optional[torch.Tensor] = None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        out, self.l_aux, _ = self.moe(hidden_states)
+        out, self.l_aux, self.exp_counts = self.moe(hidden_states)
         return out
 
 

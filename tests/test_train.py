@@ -75,3 +75,16 @@ def test_train_end_to_end_and_resume(tmp_path):
     losses = read_csv(tmp_path / "monitor" / "straight" / "Train_loss.csv")
     resumed_losses = read_csv(monitor / "Train_loss.csv")
     assert [losses[s] for s in (25, 30)] == pytest.approx([resumed_losses[s] for s in (25, 30)], rel=1e-5)
+
+
+def test_train_hf_qwen3_moe_converted(tmp_path):
+    """--arch hf_qwen3_moe: a Hugging Face Qwen3-MoE, its MoE blocks converted to LRMoE, trains on 2 ranks with
+    ep_size 2 and saves a DeepSpeed checkpoint with one file per expert of each MoE layer."""
+    pytest.importorskip("transformers")
+    ckpt = tmp_path / "ckpt"
+    summary = launch(tmp_path, "hf", "--arch", "hf_qwen3_moe", "--steps", "20", "--save_dir", str(ckpt))
+    assert summary["arch"] == "hf_qwen3_moe" and summary["ep_size"] == 2 and summary["end_step"] == 20
+    assert summary["end_loss"] < summary["start_loss"] - 1.0, summary["evals"]
+    files = [p.name for p in ckpt.rglob("*expert*")]
+    assert sorted({(n.split("_")[1], n.split("_")[3]) for n in files}) == [(str(l), str(e)) for l in range(2)
+                                                                             for e in range(4)], files
