@@ -162,7 +162,7 @@ class GroupedExperts(nn.Module):
                  init_seed: Optional[int] = None, first_global_expert: int = 0):
         super().__init__()
         self.deepspeed_experts = nn.ModuleList([copy.deepcopy(expert) for _ in range(num_local_experts)])
-        self.num_local_experts = num_local_experts
+        self.num_local_experts, self.first_global_expert = num_local_experts, first_global_expert
         self.grouped = type(expert) in EXPERT_TYPES.values()
         self._projections = None
         for i, e in enumerate(self.deepspeed_experts):

@@ -77,8 +77,8 @@ def _is_moe_block(block: nn.Module) -> bool:
             and getattr(gate, "weight").dim() == 2 and (hasattr(gate, "top_k") or hasattr(block, "top_k")))
 
 
-def to_lrmoe(name: str, block: nn.Module, ep_size: int = 1) -> HFMoEBlock:
-    """One Hugging Face sparse MoE block as an :class:`HFMoEBlock` with the same weights, dtype and device."""
+def _block_spec(name: str, block: nn.Module) -> dict:
+    """What an LRMoE layer needs from a block (views of its weights, no copies); raises if it cannot convert."""
     for extra in ("shared_expert", "shared_experts", "shared_expert_gate"):
         if getattr(block, extra, None) is not None:
             raise _refuse(name, block, f"it has a {extra} (not part of LRMoE's layer)")
@@ -88,28 +88,36 @@ def to_lrmoe(name: str, block: nn.Module, ep_size: int = 1) -> HFMoEBlock:
         raise _refuse(name, block, "its router has a bias")
     wg = block.gate.weight.detach()
     num_experts, hidden = wg.shape
-    top_k = getattr(block.gate, "top_k", None) or block.top_k
-    norm_topk_prob = bool(getattr(block.gate, "norm_topk_prob", getattr(block, "norm_topk_prob", True)))
     gate_up, down = _expert_weights(name, block)
     if gate_up.shape[0] != num_experts or gate_up.shape[2] != hidden or down.shape[:2] != (num_experts, hidden):
         raise _refuse(name, block, f"router weight {tuple(wg.shape)}, expert weights {tuple(gate_up.shape)} and "
                                    f"{tuple(down.shape)} do not agree")
-    ffn = down.shape[2]
-    if gate_up.shape[1] != 2 * ffn:
-        raise _refuse(name, block, f"gate_up rows {gate_up.shape[1]} != 2 x expert hidden {ffn}")
+    if gate_up.shape[1] != 2 * down.shape[2]:
+        raise _refuse(name, block, f"gate_up rows {gate_up.shape[1]} != 2 x expert hidden {down.shape[2]}")
+    return {"wg": wg, "gate_up": gate_up, "down": down, "top_k": getattr(block.gate, "top_k", None) or block.top_k,
+            "norm_topk_prob": bool(getattr(block.gate, "norm_topk_prob", getattr(block, "norm_topk_prob", True))),
+            "training": block.training}
+
+
+def _build(spec: dict, ep_size: int) -> HFMoEBlock:
+    wg, gate_up, down = spec["wg"], spec["gate_up"], spec["down"]
+    (num_experts, hidden), ffn = wg.shape, down.shape[2]
     # one expert, copied (DeepSpeed's way), instead of E initialised apart: the weights are overwritten below
-    moe = LRMoE(hidden, SwiGLUExpert(hidden, ffn), num_experts=num_experts, ep_size=ep_size, k=top_k,
-                score_func="softmax", norm_topk_prob=norm_topk_prob)
+    moe = LRMoE(hidden, SwiGLUExpert(hidden, ffn), num_experts=num_experts, ep_size=ep_size, k=spec["top_k"],
+                score_func="softmax", norm_topk_prob=spec["norm_topk_prob"])
     moe.to(device=wg.device, dtype=wg.dtype)
-    # the EP rank as LRMoE takes it (DeepSpeed's default layout): local expert i is global expert first + i
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    first = moe.num_local_experts * (rank % ep_size)
+    experts = moe.deepspeed_moe.experts  # local expert i is global expert first_global_expert + i
     with torch.no_grad():
         moe.deepspeed_moe.gate.wg.weight.copy_(wg)
-        for i, expert in enumerate(moe.deepspeed_moe.experts.deepspeed_experts):
-            expert.gate_up_proj.weight.copy_(gate_up[first + i])
-            expert.down_proj.weight.copy_(down[first + i])
-    return HFMoEBlock(moe).train(block.training)
+        for i, expert in enumerate(experts.deepspeed_experts):
+            expert.gate_up_proj.weight.copy_(gate_up[experts.first_global_expert + i])
+            expert.down_proj.weight.copy_(down[experts.first_global_expert + i])
+    return HFMoEBlock(moe).train(spec["training"])
+
+
+def to_lrmoe(name: str, block: nn.Module, ep_size: int = 1) -> HFMoEBlock:
+    """One Hugging Face sparse MoE block as an :class:`HFMoEBlock` with the same weights, dtype and device."""
+    return _build(_block_spec(name, block), ep_size)
 
 
 def convert_hf_moe(model: nn.Module, ep_size: int = 1) -> List[str]:
@@ -117,18 +125,22 @@ def convert_hf_moe(model: nn.Module, ep_size: int = 1) -> List[str]:
 
     With ``ep_size`` > 1 (call after ``deepspeed.init_distributed``) each rank keeps its own experts,
     ``E / ep_size`` of them, as DeepSpeed's MoE lays them out. Raises ValueError naming the first block
-    that looks like a MoE block but cannot be converted exactly, and when there is no MoE block at all.
+    that looks like a MoE block but cannot be converted exactly (before any block is replaced), and when
+    there is no MoE block at all. Blocks are built and swapped one at a time, so the peak memory is the
+    model's plus one converted block.
     """
-    targets = [(name, module) for name, module in model.named_modules()
-               if name and _is_moe_block(module) and not isinstance(module, (HFMoEBlock, LRMoE))]
-    if not targets:
+    names = [name for name, module in model.named_modules()
+             if name and _is_moe_block(module) and not isinstance(module, (HFMoEBlock, LRMoE))]
+    if not names:
         raise ValueError(f"no sparse MoE block (a .gate with a [E, H] weight and top_k, and .experts) in "
                          f"{type(model).__name__}")
-    converted = [(name, to_lrmoe(name, block, ep_size)) for name, block in targets]  # all checked before any swap
-    for name, new in converted:
+    for name in names:  # every block checked before any swap
+        _block_spec(name, model.get_submodule(name))
+    for name in names:
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
-    return [name for name, _ in converted]
+        new = _build(_block_spec(name, model.get_submodule(name)), ep_size)
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)  # the old block is freed
+    return names
 
 
 def aux_loss(model: nn.Module) -> torch.Tensor:
