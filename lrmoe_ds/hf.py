@@ -6,11 +6,13 @@ top-k router and SwiGLU experts (Qwen3-MoE, Mixtral, OLMoE and the like) with an
 block it replaces. The model then computes what it computed before (up to the router's fp32 logits),
 and ``lrmoe_ds.initialize`` or ``configure_model`` find its layers as for any LRMoE model.
 
-Recognised by structure, not by class name: ``block.gate`` has ``weight`` [E, H] and ``top_k``
-(optionally ``norm_topk_prob``; a router without it renormalises, as Mixtral's does), and
-``block.experts`` holds stacked ``gate_up_proj`` [E, 2F, H] (gate rows first) and ``down_proj``
-[E, H, F] with a SiLU activation, as transformers >= 5 lays out Qwen3-MoE, Mixtral, OLMoE and others.
-Anything else (a shared expert, router jitter, biases, another activation, transformers 4's list of
+A block is found by its structure (``block.gate`` with a ``weight`` [E, H] and ``top_k``, and
+``block.experts``), and converted only if its class is one whose forward was read and found to be
+LRMoE's routing (``BLOCKS``): softmax over the logits, top-k, renormalised where ``norm_topk_prob``
+(always, for Mixtral), experts with stacked ``gate_up_proj`` [E, 2F, H] (gate rows first) and
+``down_proj`` [E, H, F] and a SiLU activation, as transformers >= 5 lays them out; Qwen2-MoE's shared
+expert and its sigmoid gate are kept beside the layer. Anything else (another router, such as
+DeepSeek's grouped sigmoid one, router jitter, biases, another activation, transformers 4's list of
 expert modules) is refused with the reason, not converted approximately.
 """
 from typing import List, Optional, Tuple
@@ -22,21 +24,35 @@ from lrmoe_ds.experts import SwiGLUExpert
 from lrmoe_ds.layer import LRMoE
 
 
+# Sparse MoE block classes of transformers (>= 5) whose forward is LRMoE's routing and SwiGLU experts, and
+# whether they add a shared expert through a sigmoid gate (Qwen2-MoE): out = moe(x) + sigmoid(g x) shared(x).
+BLOCKS = {"Qwen3MoeSparseMoeBlock": False, "MixtralSparseMoeBlock": False, "OlmoeSparseMoeBlock": False,
+          "FlexOlmoSparseMoeBlock": False, "Qwen2MoeSparseMoeBlock": True}
+
+
 class HFMoEBlock(nn.Module):
-    """An LRMoE layer called like a Hugging Face sparse MoE block: hidden_states [B, S, H] -> [B, S, H].
+    """An LRMoE layer called like a Hugging Face sparse MoE block: hidden_states [B, S, H] -> [B, S, H],
+    plus the block's own shared expert and its sigmoid gate where it has them (under their names there).
 
     The layer's load-balancing loss and pairs per expert of the last forward are kept as ``l_aux`` and
     ``exp_counts`` (Hugging Face's own router-logit auxiliary loss does not see the converted blocks:
     add ``coef * l_aux`` of each block to the loss, see :func:`aux_loss`)."""
 
-    def __init__(self, moe: LRMoE):
+    def __init__(self, moe: LRMoE, shared_expert: Optional[nn.Module] = None,
+                 shared_expert_gate: Optional[nn.Module] = None):
         super().__init__()
         self.moe = moe
+        self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
         self.l_aux: Optional[torch.Tensor] = None
         self.exp_counts: Optional[torch.Tensor] = None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         out, self.l_aux, self.exp_counts = self.moe(hidden_states)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(hidden_states)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared
+            out = out + shared
         return out
 
 
@@ -79,9 +95,14 @@ def _is_moe_block(block: nn.Module) -> bool:
 
 def _block_spec(name: str, block: nn.Module) -> dict:
     """What an LRMoE layer needs from a block (views of its weights, no copies); raises if it cannot convert."""
-    for extra in ("shared_expert", "shared_experts", "shared_expert_gate"):
-        if getattr(block, extra, None) is not None:
-            raise _refuse(name, block, f"it has a {extra} (not part of LRMoE's layer)")
+    kind = type(block).__name__
+    if kind not in BLOCKS:
+        raise _refuse(name, block, f"its routing is not one read and found to be LRMoE's (softmax top-k); "
+                                   f"converted block classes: {', '.join(BLOCKS)}")
+    shared = BLOCKS[kind]
+    if shared and not (isinstance(getattr(block, "shared_expert", None), nn.Module)
+                       and isinstance(getattr(block, "shared_expert_gate", None), nn.Module)):
+        raise _refuse(name, block, "it has no shared_expert and shared_expert_gate")
     if getattr(block, "jitter_noise", 0) or getattr(block.gate, "jitter_noise", 0):
         raise _refuse(name, block, "its router adds jitter noise in training (set router_jitter_noise=0)")
     if getattr(block.gate, "bias", None) is not None:
@@ -96,7 +117,8 @@ def _block_spec(name: str, block: nn.Module) -> dict:
         raise _refuse(name, block, f"gate_up rows {gate_up.shape[1]} != 2 x expert hidden {down.shape[2]}")
     return {"wg": wg, "gate_up": gate_up, "down": down, "top_k": getattr(block.gate, "top_k", None) or block.top_k,
             "norm_topk_prob": bool(getattr(block.gate, "norm_topk_prob", getattr(block, "norm_topk_prob", True))),
-            "training": block.training}
+            "training": block.training,
+            "shared": (block.shared_expert, block.shared_expert_gate) if shared else (None, None)}
 
 
 def _build(spec: dict, ep_size: int) -> HFMoEBlock:
@@ -112,7 +134,7 @@ def _build(spec: dict, ep_size: int) -> HFMoEBlock:
         for i, expert in enumerate(experts.deepspeed_experts):
             expert.gate_up_proj.weight.copy_(gate_up[experts.first_global_expert + i])
             expert.down_proj.weight.copy_(down[experts.first_global_expert + i])
-    return HFMoEBlock(moe).train(spec["training"])
+    return HFMoEBlock(moe, *spec["shared"]).train(spec["training"])
 
 
 def to_lrmoe(name: str, block: nn.Module, ep_size: int = 1) -> HFMoEBlock:

@@ -19,6 +19,11 @@ def tiny(family: str, **overrides):
                                              decoder_sparse_step=1, mlp_only_layers=[], head_dim=16,
                                              **{**common, **overrides})
         model = transformers.Qwen3MoeForCausalLM(config)
+    elif family == "qwen2":  # a shared expert behind a sigmoid gate, beside the routed ones
+        config = transformers.Qwen2MoeConfig(num_experts=E, moe_intermediate_size=F, intermediate_size=2 * F,
+                                             shared_expert_intermediate_size=F + 8, decoder_sparse_step=1,
+                                             mlp_only_layers=[], **{**common, **overrides})
+        model = transformers.Qwen2MoeForCausalLM(config)
     else:
         config = transformers.MixtralConfig(num_local_experts=E, intermediate_size=F,
                                             **{**common, "router_jitter_noise": 0.0, **overrides})
@@ -44,7 +49,7 @@ def expert_grads_hf(grads, prefix):
 
 
 @pytest.mark.parametrize("family,overrides", [("qwen3", {"norm_topk_prob": True}), ("qwen3", {"norm_topk_prob": False}),
-                                              ("mixtral", {})])
+                                              ("mixtral", {}), ("qwen2", {"norm_topk_prob": False})])
 def test_converted_model_matches_the_original(family, overrides):
     model = tiny(family, **overrides)
     ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -57,7 +62,7 @@ def test_converted_model_matches_the_original(family, overrides):
     # the same routing and weights; the router's logits are fp32 in both, its scores differ by rounding
     assert torch.allclose(out, ref_out, rtol=1e-4, atol=1e-4), float((out - ref_out).abs().max())
     for n, g in ref_grads.items():
-        if ".mlp." not in n:
+        if ".mlp." not in n or ".shared_expert" in n:  # Qwen2-MoE's shared expert keeps its names
             assert torch.allclose(grads[n], g, rtol=1e-3, atol=1e-4), n
     for i, name in enumerate(names):
         moe = model.get_submodule(name).moe
@@ -92,6 +97,12 @@ def test_refuses_what_it_cannot_convert_exactly():
     model = tiny("qwen3", hidden_act="gelu")
     with pytest.raises(ValueError, match="not SiLU"):
         convert_hf_moe(model)
+    block = tiny("qwen3").model.layers[0].mlp
+    OtherRouting = type("OtherRoutingMoeBlock", (torch.nn.Module,), {})  # same structure, unread routing
+    other = OtherRouting()
+    other.gate, other.experts = block.gate, block.experts
+    with pytest.raises(ValueError, match=r"mlp \(OtherRoutingMoeBlock\).*not one read and found"):
+        convert_hf_moe(torch.nn.ModuleDict({"mlp": other}))
     with pytest.raises(ValueError, match="no sparse MoE block"):
         convert_hf_moe(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
