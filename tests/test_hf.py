@@ -24,6 +24,9 @@ def tiny(family: str, **overrides):
                                              shared_expert_intermediate_size=F + 8, decoder_sparse_step=1,
                                              mlp_only_layers=[], **{**common, **overrides})
         model = transformers.Qwen2MoeForCausalLM(config)
+    elif family == "olmoe":
+        config = transformers.OlmoeConfig(num_experts=E, intermediate_size=F, **{**common, **overrides})
+        model = transformers.OlmoeForCausalLM(config)
     else:
         config = transformers.MixtralConfig(num_local_experts=E, intermediate_size=F,
                                             **{**common, "router_jitter_noise": 0.0, **overrides})
@@ -49,7 +52,8 @@ def expert_grads_hf(grads, prefix):
 
 
 @pytest.mark.parametrize("family,overrides", [("qwen3", {"norm_topk_prob": True}), ("qwen3", {"norm_topk_prob": False}),
-                                              ("mixtral", {}), ("qwen2", {"norm_topk_prob": False})])
+                                              ("mixtral", {}), ("qwen2", {"norm_topk_prob": False}),
+                                              ("olmoe", {"norm_topk_prob": False})])
 def test_converted_model_matches_the_original(family, overrides):
     model = tiny(family, **overrides)
     ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(1))
