@@ -48,11 +48,8 @@ class HFMoEBlock(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         out, self.l_aux, self.exp_counts = self.moe(hidden_states)
-        if self.shared_expert is not None:
-            shared = self.shared_expert(hidden_states)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared
-            out = out + shared
+        if self.shared_expert is not None:  # with its gate: _block_spec requires both
+            out = out + torch.sigmoid(self.shared_expert_gate(hidden_states)) * self.shared_expert(hidden_states)
         return out
 
 
@@ -135,11 +132,6 @@ def _build(spec: dict, ep_size: int) -> HFMoEBlock:
             expert.gate_up_proj.weight.copy_(gate_up[experts.first_global_expert + i])
             expert.down_proj.weight.copy_(down[experts.first_global_expert + i])
     return HFMoEBlock(moe, *spec["shared"]).train(spec["training"])
-
-
-def to_lrmoe(name: str, block: nn.Module, ep_size: int = 1) -> HFMoEBlock:
-    """One Hugging Face sparse MoE block as an :class:`HFMoEBlock` with the same weights, dtype and device."""
-    return _build(_block_spec(name, block), ep_size)
 
 
 def convert_hf_moe(model: nn.Module, ep_size: int = 1) -> List[str]:
