@@ -134,6 +134,13 @@ class Block(nn.Module):
         return x + y, l_aux, exp_counts
 
 
+def lm_outputs(logits, targets, aux, counts):
+    """What both models return: (byte cross-entropy, the layers' aux losses summed, exp_counts [L, E] fp32)."""
+    lm_loss = F.cross_entropy(logits.float().view(-1, 256), targets.reshape(-1))
+    counts = [c.to(device=targets.device, dtype=torch.float32) for c in counts]
+    return lm_loss, torch.stack([a.float() for a in aux]).sum(), torch.stack(counts)
+
+
 class ByteMoELM(nn.Module):
     """Decoder-only byte-level MoE LM. forward(idx [B, S], targets [B, S]) -> (lm_loss, aux_loss, exp_counts [L, E])."""
 
@@ -157,11 +164,10 @@ class ByteMoELM(nn.Module):
         for block in self.blocks:
             x, l_aux, exp_counts = block(x)
             aux.append(l_aux)
-            counts.append(exp_counts.to(device=idx.device, dtype=torch.float32))
+            counts.append(exp_counts)
         x = self.norm(x)
         logits = x @ self.embed.weight.t() if self.head is None else self.head(x)
-        lm_loss = F.cross_entropy(logits.float().view(-1, 256), targets.reshape(-1))
-        return lm_loss, torch.stack([a.float() for a in aux]).sum(), torch.stack(counts)
+        return lm_outputs(logits, targets, aux, counts)
 
 
 class HFQwen3MoeLM(nn.Module):
@@ -185,10 +191,7 @@ class HFQwen3MoeLM(nn.Module):
 
     def forward(self, idx, targets):
         logits = self.hf(input_ids=idx).logits
-        lm_loss = F.cross_entropy(logits.float().view(-1, 256), targets.reshape(-1))
-        aux = torch.stack([b.l_aux.float() for b in self.blocks]).sum()
-        counts = torch.stack([b.exp_counts.to(device=idx.device, dtype=torch.float32) for b in self.blocks])
-        return lm_loss, aux, counts
+        return lm_outputs(logits, targets, [b.l_aux for b in self.blocks], [b.exp_counts for b in self.blocks])
 
 
 # --------------------------------------------------------------------------------------------------
