@@ -474,12 +474,12 @@ def main(argv=None):
             engine.backward(lm + args.aux_loss_coef * aux)
             engine.step()
             acc += torch.stack([lm.detach().float(), aux.detach().float()])
-        # DeepSpeed's global gradient norm before clipping (None where the config does not clip)
+            acc_counts = counts if acc_counts is None else acc_counts + counts
+            acc_micro += 1
+        # DeepSpeed's global gradient norm before clipping (None where DeepSpeed did not compute one)
         norm = engine.get_global_grad_norm()
         if norm is not None:
             norm_sum, norm_n = norm_sum + float(norm), norm_n + 1
-            acc_counts = counts if acc_counts is None else acc_counts + counts
-            acc_micro += 1
         step += 1
         bar.update(1)
         if step % args.log_every == 0 or step == stop:

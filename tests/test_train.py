@@ -21,10 +21,13 @@ TINY = ["--layers", "2", "--hidden", "64", "--ffn", "128", "--heads", "2", "--ex
 pytestmark = pytest.mark.multiproc
 
 
-def launch(tmp_path, name, *extra, timeout=300):
-    """Run train.py on 2 ranks with cpu_ep2.json (its monitor redirected under tmp_path); returns the summary."""
+def launch(tmp_path, name, *extra, timeout=300, config_changes=None):
+    """Run train.py on 2 ranks with cpu_ep2.json (its monitor redirected under tmp_path, ``config_changes``
+    applied: None values delete keys); returns the summary."""
     with open(os.path.join(ROOT, "ds_configs", "cpu_ep2.json")) as f:
         config = json.load(f)
+    for key, value in (config_changes or {}).items():
+        config.pop(key) if value is None else config.__setitem__(key, value)
     config["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / "monitor"), "job_name": name}
     config_path = tmp_path / f"{name}.json"
     config_path.write_text(json.dumps(config))
@@ -82,9 +85,18 @@ def test_train_hf_qwen3_moe_converted(tmp_path):
     ep_size 2 and saves a DeepSpeed checkpoint with one file per expert of each MoE layer."""
     pytest.importorskip("transformers")
     ckpt = tmp_path / "ckpt"
-    summary = launch(tmp_path, "hf", "--arch", "hf_qwen3_moe", "--steps", "20", "--save_dir", str(ckpt))
+    # also: gradient accumulation, and a config that does not clip
+    summary = launch(tmp_path, "hf", "--arch", "hf_qwen3_moe", "--steps", "20", "--save_dir", str(ckpt),
+                     config_changes={"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2,
+                                     "gradient_clipping": None})
     assert summary["arch"] == "hf_qwen3_moe" and summary["ep_size"] == 2 and summary["end_step"] == 20
     assert summary["end_loss"] < summary["start_loss"] - 1.0, summary["evals"]
+    monitor = tmp_path / "monitor" / "hf"
+    train_loss = read_csv(monitor / "Train_loss.csv")
+    # the mean over micro-steps, not their sum: close to the held-out loss of the same model
+    assert train_loss[20] == pytest.approx(summary["end_loss"], rel=0.25), (train_loss, summary["evals"])
+    load = [read_csv(monitor / f"Load_layer0_expert{e}.csv") for e in range(4)]
+    assert all(abs(sum(l[s] for l in load) - 1) < 1e-5 for s in load[0])
     files = [p.name for p in ckpt.rglob("*expert*")]
     assert sorted({(n.split("_")[1], n.split("_")[3]) for n in files}) == [(str(l), str(e)) for l in range(2)
                                                                              for e in range(4)], files
