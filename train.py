@@ -532,6 +532,7 @@ def main(argv=None):
         with open(args.summary_json, "w") as f:
             json.dump(summary, f, indent=1)
     dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

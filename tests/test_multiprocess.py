@@ -1,26 +1,16 @@
 """Multi-process DeepSpeed tests on CPU: 2 ranks through the deepspeed launcher, ep_size 2."""
 import json
-import os
 import pathlib
-import socket
-import subprocess
-import sys
 
 import pytest
+from launcher import launch_ranks
 
 WORKER = pathlib.Path(__file__).with_name("dist_worker.py")
 pytestmark = pytest.mark.multiproc
 
 
 def launch(tmp_path, *args, timeout=600):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
-           str(WORKER), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
-    return proc, proc.stdout + proc.stderr
+    return launch_ranks([WORKER, *args], cwd=tmp_path, timeout=timeout)
 
 
 def test_multi_rank_matches_single_process(tmp_path):

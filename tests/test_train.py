@@ -7,11 +7,10 @@ optimizer, the LR schedule, the step and the data position.
 import csv
 import json
 import os
-import shutil
 import subprocess
-import sys
 
 import pytest
+from launcher import launch_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--layers", "2", "--hidden", "64", "--ffn", "128", "--heads", "2", "--experts", "4", "--top_k", "2",
@@ -32,17 +31,13 @@ def launch(tmp_path, name, *extra, timeout=300, config_changes=None):
     config_path = tmp_path / f"{name}.json"
     config_path.write_text(json.dumps(config))
     summary = tmp_path / f"{name}.summary.json"
-    deepspeed = shutil.which("deepspeed") or f"{sys.executable} -m deepspeed.launcher.runner"
-    cmd = (deepspeed.split() + ["--num_gpus", "2", "--master_port", str(29500 + os.getpid() % 1000), "train.py",
-                                "--deepspeed_config", str(config_path), "--summary_json", str(summary)]
-           + TINY + list(extra))
+    args = ["train.py", "--deepspeed_config", config_path, "--summary_json", summary, *TINY, *extra]
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        proc, log = launch_ranks(args, cwd=ROOT, timeout=timeout)
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{' '.join(cmd)}\ntimed out after {timeout} s\n{e.stdout}\n{e.stderr}")
-    output = f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-8000:]}\n{proc.stderr[-8000:]}"
-    assert proc.returncode == 0, output
-    assert "final: held-out loss" in proc.stdout, output
+        pytest.fail(f"train.py {' '.join(map(str, args))}\ntimed out after {timeout} s\n{e.stdout}\n{e.stderr}")
+    assert proc.returncode == 0, log[-16000:]
+    assert "final: held-out loss" in proc.stdout, log[-16000:]
     with open(summary) as f:
         return json.load(f)
 

@@ -1,0 +1,38 @@
+"""Start a script on 2 CPU ranks through DeepSpeed's launcher, for the multi-process tests.
+
+One retry, for one known failure only: now and then (in two CI runs, in two different tests;
+1 of 100 launches of the checkpoint mode here) a rank aborts during the run with
+"terminate called without an active exception" (SIGABRT: std::terminate, from C++ of torch's gloo or
+of DeepSpeed; on CPU the tests run no C++ of ours), and a rerun passes. Any other failure, or this
+one twice in a row, fails the test with both logs.
+"""
+import os
+import socket
+import subprocess
+import sys
+import warnings
+
+ABORT = "terminate called without an active exception"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_ranks(script_and_args, cwd, timeout, num_ranks=2):
+    """Runs ``deepspeed --num_gpus num_ranks script args...``; returns (CompletedProcess, its stdout + stderr)."""
+    log = ""
+    for attempt in range(2):
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_ranks),
+               "--master_port", str(_free_port()), *map(str, script_and_args)]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        log += f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout}{proc.stderr}"
+        output = proc.stdout + proc.stderr
+        aborted = ABORT in output and "exits with return code = -6" in output  # the launcher names SIGABRT
+        if proc.returncode == 0 or not aborted or attempt == 1:
+            return proc, log
+        warnings.warn(f"a rank aborted ({ABORT!r}); launching once more")
+        log += "\n--- launched again after the abort above ---\n"
