@@ -1,19 +1,19 @@
 """Hugging Face MoE blocks to LRMoE layers.
 
-``convert_hf_moe(model)`` replaces every sparse MoE block of a Hugging Face model that has a softmax
-top-k router and SwiGLU experts (Qwen3-MoE, Mixtral, OLMoE and the like) with an
-:class:`HFMoEBlock`: an :class:`~lrmoe_ds.LRMoE` layer holding the same weights, called like the
-block it replaces. The model then computes what it computed before (up to the router's fp32 logits),
-and ``lrmoe_ds.initialize`` or ``configure_model`` find its layers as for any LRMoE model.
+``convert_hf_moe(model)`` replaces every sparse MoE block of a Hugging Face model whose router LRMoE
+computes and whose experts are SwiGLU (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5, DeepSeek-V3 with
+ungrouped routing) with an :class:`HFMoEBlock`: an :class:`~lrmoe_ds.LRMoE` layer holding the same
+weights, called like the block it replaces. The model then computes what it computed before (up to the
+router's fp32 logits), and ``lrmoe_ds.initialize`` or ``configure_model`` find its layers as for any
+LRMoE model.
 
 A block is found by its structure (``block.gate`` with a ``weight`` [E, H] and ``top_k``, and
 ``block.experts``), and converted only if its class is one whose forward was read and found to be
-LRMoE's routing (``BLOCKS``): softmax over the logits, top-k, renormalised where ``norm_topk_prob``
-(always, for Mixtral), experts with stacked ``gate_up_proj`` [E, 2F, H] (gate rows first) and
-``down_proj`` [E, H, F] and a SiLU activation, as transformers >= 5 lays them out; Qwen2-MoE's shared
-expert and its sigmoid gate are kept beside the layer. Anything else (another router, such as
-DeepSeek's grouped sigmoid one, router jitter, biases, another activation, transformers 4's list of
-expert modules) is refused with the reason, not converted approximately.
+LRMoE's routing (``BLOCKS``), with experts holding stacked ``gate_up_proj`` [E, 2F, H] (gate rows
+first) and ``down_proj`` [E, H, F] and a SiLU activation, as transformers >= 5 lays them out. Shared
+experts (and Qwen2-MoE's sigmoid gate on its one) are kept beside the layer. Anything else (another
+router, DeepSeek-V3's group-limited selection, router jitter, biases, another activation,
+transformers 4's list of expert modules) is refused with the reason, not converted approximately.
 """
 from typing import List, Optional, Tuple
 
@@ -24,32 +24,51 @@ from lrmoe_ds.experts import SwiGLUExpert
 from lrmoe_ds.layer import LRMoE
 
 
-# Sparse MoE block classes of transformers (>= 5) whose forward is LRMoE's routing and SwiGLU experts, and
-# whether they add a shared expert through a sigmoid gate (Qwen2-MoE): out = moe(x) + sigmoid(g x) shared(x).
-BLOCKS = {"Qwen3MoeSparseMoeBlock": False, "MixtralSparseMoeBlock": False, "OlmoeSparseMoeBlock": False,
-          "FlexOlmoSparseMoeBlock": False, "Qwen2MoeSparseMoeBlock": True}
+# Sparse MoE block classes of transformers (>= 5) whose forward was read and found to be LRMoE's routing and
+# SwiGLU experts: (router, shared expert).
+#   "softmax": softmax over the logits, top-k, renormalised where norm_topk_prob (Mixtral: always).
+#   "sigmoid": DeepSeek-V3's and GLM-4.5's: sigmoid scores; top-k of scores + e_score_correction_bias (the bias
+#       only selects) within the topk_group best of n_group groups (converted only where that is every group);
+#       renormalised where norm_topk_prob; times routed_scaling_factor.
+#   shared: None; "gated", Qwen2-MoE's out + sigmoid(shared_expert_gate(x)) * shared_expert(x); or "plain",
+#       out + shared_experts(x).
+BLOCKS = {"Qwen3MoeSparseMoeBlock": ("softmax", None), "MixtralSparseMoeBlock": ("softmax", None),
+          "OlmoeSparseMoeBlock": ("softmax", None), "FlexOlmoSparseMoeBlock": ("softmax", None),
+          "Qwen2MoeSparseMoeBlock": ("softmax", "gated"),
+          "Glm4MoeMoE": ("sigmoid", "plain"), "DeepseekV3MoE": ("sigmoid", "plain")}
 
 
 class HFMoEBlock(nn.Module):
     """An LRMoE layer called like a Hugging Face sparse MoE block: hidden_states [B, S, H] -> [B, S, H],
-    plus the block's own shared expert and its sigmoid gate where it has them (under their names there).
+    its output times ``routed_scaling_factor`` (the same as scaling every gate weight), plus the block's own
+    shared experts where it has them, under their names there: ``shared_expert`` behind its sigmoid
+    ``shared_expert_gate`` (Qwen2-MoE), or ``shared_experts`` (DeepSeek-V3, GLM-4.5).
 
     The layer's load-balancing loss and pairs per expert of the last forward are kept as ``l_aux`` and
     ``exp_counts`` (Hugging Face's own router-logit auxiliary loss does not see the converted blocks:
     add ``coef * l_aux`` of each block to the loss, see :func:`aux_loss`)."""
 
     def __init__(self, moe: LRMoE, shared_expert: Optional[nn.Module] = None,
-                 shared_expert_gate: Optional[nn.Module] = None):
+                 shared_expert_gate: Optional[nn.Module] = None, shared_experts: Optional[nn.Module] = None,
+                 routed_scaling_factor: float = 1.0):
         super().__init__()
+        if (shared_expert is None) != (shared_expert_gate is None):
+            raise ValueError("shared_expert and shared_expert_gate come together")
         self.moe = moe
         self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
+        self.shared_experts = shared_experts
+        self.routed_scaling_factor = float(routed_scaling_factor)
         self.l_aux: Optional[torch.Tensor] = None
         self.exp_counts: Optional[torch.Tensor] = None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         out, self.l_aux, self.exp_counts = self.moe(hidden_states)
-        if self.shared_expert is not None:  # with its gate: _block_spec requires both
+        if self.routed_scaling_factor != 1.0:
+            out = out * self.routed_scaling_factor
+        if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(hidden_states)) * self.shared_expert(hidden_states)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden_states)
         return out
 
 
@@ -94,12 +113,12 @@ def _block_spec(name: str, block: nn.Module) -> dict:
     """What an LRMoE layer needs from a block (views of its weights, no copies); raises if it cannot convert."""
     kind = type(block).__name__
     if kind not in BLOCKS:
-        raise _refuse(name, block, f"its routing is not one read and found to be LRMoE's (softmax top-k); "
+        raise _refuse(name, block, f"its routing is not one read and found to be LRMoE's; "
                                    f"converted block classes: {', '.join(BLOCKS)}")
-    shared = BLOCKS[kind]
-    if shared and not (isinstance(getattr(block, "shared_expert", None), nn.Module)
-                       and isinstance(getattr(block, "shared_expert_gate", None), nn.Module)):
-        raise _refuse(name, block, "it has no shared_expert and shared_expert_gate")
+    router, shared = BLOCKS[kind]
+    shared_names = {None: (), "gated": ("shared_expert", "shared_expert_gate"), "plain": ("shared_experts",)}[shared]
+    if not all(isinstance(getattr(block, n, None), nn.Module) for n in shared_names):
+        raise _refuse(name, block, f"it has no {' and '.join(shared_names)}")
     if getattr(block, "jitter_noise", 0) or getattr(block.gate, "jitter_noise", 0):
         raise _refuse(name, block, "its router adds jitter noise in training (set router_jitter_noise=0)")
     if getattr(block.gate, "bias", None) is not None:
@@ -112,26 +131,41 @@ def _block_spec(name: str, block: nn.Module) -> dict:
                                    f"{tuple(down.shape)} do not agree")
     if gate_up.shape[1] != 2 * down.shape[2]:
         raise _refuse(name, block, f"gate_up rows {gate_up.shape[1]} != 2 x expert hidden {down.shape[2]}")
-    return {"wg": wg, "gate_up": gate_up, "down": down, "top_k": getattr(block.gate, "top_k", None) or block.top_k,
-            "norm_topk_prob": bool(getattr(block.gate, "norm_topk_prob", getattr(block, "norm_topk_prob", True))),
-            "training": block.training,
-            "shared": (block.shared_expert, block.shared_expert_gate) if shared else (None, None)}
+    top_k = getattr(block.gate, "top_k", None) or block.top_k
+    norm = bool(getattr(block.gate, "norm_topk_prob", getattr(block, "norm_topk_prob", True)))
+    if norm and top_k == 1:
+        raise _refuse(name, block, "it renormalises a single choice (every gate weight is 1, and the router gets no "
+                                   "gradient through it); LRMoE, like DeepSpeed's top-1 gate, keeps the score")
+    bias, scale = None, 1.0
+    if router == "sigmoid":
+        groups, chosen = int(block.gate.num_group), int(block.gate.topk_group)
+        if chosen < groups:
+            raise _refuse(name, block, f"its router selects experts from the best {chosen} of {groups} expert groups "
+                                       "only (n_group, topk_group); LRMoE converts routing over every expert")
+        bias = block.gate.e_score_correction_bias.detach()
+        scale = float(block.gate.routed_scaling_factor)
+    return {"wg": wg, "gate_up": gate_up, "down": down, "top_k": top_k, "norm_topk_prob": norm,
+            "score_func": router, "score_bias": bias, "routed_scaling_factor": scale, "training": block.training,
+            "shared": {n: getattr(block, n) for n in shared_names}}
 
 
 def _build(spec: dict, ep_size: int) -> HFMoEBlock:
-    wg, gate_up, down = spec["wg"], spec["gate_up"], spec["down"]
+    wg, gate_up, down, bias = spec["wg"], spec["gate_up"], spec["down"], spec["score_bias"]
     (num_experts, hidden), ffn = wg.shape, down.shape[2]
     # one expert, copied (DeepSpeed's way), instead of E initialised apart: the weights are overwritten below
     moe = LRMoE(hidden, SwiGLUExpert(hidden, ffn), num_experts=num_experts, ep_size=ep_size, k=spec["top_k"],
-                score_func="softmax", norm_topk_prob=spec["norm_topk_prob"])
-    moe.to(device=wg.device, dtype=wg.dtype)
+                score_func=spec["score_func"], norm_topk_prob=spec["norm_topk_prob"], expert_bias=bias is not None)
+    moe.to(device=gate_up.device, dtype=gate_up.dtype)
+    gate = moe.deepspeed_moe.gate.to(wg.dtype)  # a router kept in fp32 (DeepSeek-V3, GLM-4.5) stays fp32
     experts = moe.deepspeed_moe.experts  # local expert i is global expert first_global_expert + i
     with torch.no_grad():
-        moe.deepspeed_moe.gate.wg.weight.copy_(wg)
+        gate.wg.weight.copy_(wg)
+        if bias is not None:
+            gate.score_bias = bias.to(device=gate.wg.weight.device, copy=True)  # the block's dtype (fp32)
         for i, expert in enumerate(experts.deepspeed_experts):
             expert.gate_up_proj.weight.copy_(gate_up[experts.first_global_expert + i])
             expert.down_proj.weight.copy_(down[experts.first_global_expert + i])
-    return HFMoEBlock(moe, *spec["shared"]).train(spec["training"])
+    return HFMoEBlock(moe, **spec["shared"], routed_scaling_factor=spec["routed_scaling_factor"]).train(spec["training"])
 
 
 def convert_hf_moe(model: nn.Module, ep_size: int = 1) -> List[str]:

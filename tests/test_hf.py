@@ -1,5 +1,6 @@
-"""The Hugging Face converter: tiny Qwen3-MoE and Mixtral models (built from configs, nothing
-downloaded) compute the same logits and gradients after their MoE blocks become LRMoE layers."""
+"""The Hugging Face converter: tiny Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, GLM-4.5 and DeepSeek-V3 models
+(built from configs, nothing downloaded) compute the same logits and gradients after their MoE blocks
+become LRMoE layers."""
 import pytest
 import torch
 
@@ -27,6 +28,17 @@ def tiny(family: str, **overrides):
     elif family == "olmoe":
         config = transformers.OlmoeConfig(num_experts=E, intermediate_size=F, **{**common, **overrides})
         model = transformers.OlmoeForCausalLM(config)
+    elif family == "glm4":  # sigmoid router with a selection bias, a scaling factor, an ungated shared expert
+        config = transformers.Glm4MoeConfig(n_routed_experts=E, moe_intermediate_size=F, intermediate_size=2 * F,
+                                            first_k_dense_replace=0, n_shared_experts=1, head_dim=16,
+                                            **{**common, "routed_scaling_factor": 2.5, **overrides})
+        model = transformers.Glm4MoeForCausalLM(config)
+    elif family == "deepseek_v3":
+        config = transformers.DeepseekV3Config(n_routed_experts=E, moe_intermediate_size=F, intermediate_size=2 * F,
+                                               first_k_dense_replace=0, n_shared_experts=1, q_lora_rank=None,
+                                               kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                                               **{**common, "n_group": 1, "topk_group": 1, **overrides})
+        model = transformers.DeepseekV3ForCausalLM(config)
     else:
         config = transformers.MixtralConfig(num_local_experts=E, intermediate_size=F,
                                             **{**common, "router_jitter_noise": 0.0, **overrides})
@@ -35,6 +47,9 @@ def tiny(family: str, **overrides):
     with torch.no_grad():
         for p in model.parameters():  # the routers start at zero: random weights make routing non-trivial
             p.normal_(0.0, 0.3)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # large enough to change which experts are chosen
+                b.normal_(0.0, 0.3)
     return model.float()
 
 
@@ -53,7 +68,9 @@ def expert_grads_hf(grads, prefix):
 
 @pytest.mark.parametrize("family,overrides", [("qwen3", {"norm_topk_prob": True}), ("qwen3", {"norm_topk_prob": False}),
                                               ("mixtral", {}), ("qwen2", {"norm_topk_prob": False}),
-                                              ("olmoe", {"norm_topk_prob": False})])
+                                              ("olmoe", {"norm_topk_prob": False}), ("glm4", {}),
+                                              ("glm4", {"norm_topk_prob": False, "routed_scaling_factor": 1.0}),
+                                              ("deepseek_v3", {"routed_scaling_factor": 1.5})])
 def test_converted_model_matches_the_original(family, overrides):
     model = tiny(family, **overrides)
     ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -66,7 +83,7 @@ def test_converted_model_matches_the_original(family, overrides):
     # the same routing and weights; the router's logits are fp32 in both, its scores differ by rounding
     assert torch.allclose(out, ref_out, rtol=1e-4, atol=1e-4), float((out - ref_out).abs().max())
     for n, g in ref_grads.items():
-        if ".mlp." not in n or ".shared_expert" in n:  # Qwen2-MoE's shared expert keeps its names
+        if ".mlp." not in n or ".shared_expert" in n:  # shared experts keep their names
             assert torch.allclose(grads[n], g, rtol=1e-3, atol=1e-4), n
     for i, name in enumerate(names):
         moe = model.get_submodule(name).moe
@@ -79,10 +96,11 @@ def test_converted_model_matches_the_original(family, overrides):
     assert aux_loss(model).ndim == 0 and float(aux_loss(model).detach()) > 0  # each block's load-balancing loss
 
 
-def test_converted_model_trains_with_retention():
+@pytest.mark.parametrize("family", ["qwen3", "glm4"])
+def test_converted_model_trains_with_retention(family):
     """After conversion the model is an LRMoE model: the "lrmoe" block applies, and at retention 0.5
     the expert backward keeps about half of each layer's pairs."""
-    model = tiny("qwen3")
+    model = tiny(family)
     convert_hf_moe(model)
     lrmoe_ds.configure_model(model, lrmoe_ds.LRMoEConfig(enabled=True, retention_ratio=0.5))
     model.train()
@@ -107,6 +125,12 @@ def test_refuses_what_it_cannot_convert_exactly():
     other.gate, other.experts = block.gate, block.experts
     with pytest.raises(ValueError, match=r"mlp \(OtherRoutingMoeBlock\).*not one read and found"):
         convert_hf_moe(torch.nn.ModuleDict({"mlp": other}))
+    model = tiny("deepseek_v3", n_group=2, topk_group=1)  # DeepSeek-V3's own group-limited routing
+    with pytest.raises(ValueError, match=r"\(DeepseekV3MoE\).*best 1 of 2 expert groups"):
+        convert_hf_moe(model)
+    model = tiny("qwen3", num_experts_per_tok=1, norm_topk_prob=True)  # the one weight renormalised to 1
+    with pytest.raises(ValueError, match="renormalises a single choice"):
+        convert_hf_moe(model)
     with pytest.raises(ValueError, match="no sparse MoE block"):
         convert_hf_moe(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
@@ -125,3 +149,20 @@ def test_transposed_expert_storage_converts_to_the_same_weights():
     convert_hf_moe(flipped)
     for a, b in zip(lrmoe_ds.lrmoe_layers(model), lrmoe_ds.lrmoe_layers(flipped)):
         assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_an_fp32_router_stays_fp32_beside_bf16_experts():
+    """DeepSeek-V3 and GLM-4.5 keep the router's weight and bias in fp32 in a bf16 model; so does the conversion."""
+    model = tiny("glm4").to(torch.bfloat16)
+    for layer in model.model.layers:
+        layer.mlp.gate.float()
+    ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits.float()
+        convert_hf_moe(model)
+        out = model(input_ids=ids).logits.float()
+    gate = model.model.layers[0].mlp.moe.deepspeed_moe.gate
+    expert = model.model.layers[0].mlp.moe.deepspeed_moe.experts.deepspeed_experts[0]
+    assert gate.wg.weight.dtype == gate.score_bias.dtype == torch.float32
+    assert expert.gate_up_proj.weight.dtype == torch.bfloat16
+    assert float((out - ref).abs().max()) < 0.03 * float(ref.abs().max())  # bf16 rounding of the same routing
