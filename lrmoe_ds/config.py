@@ -84,6 +84,12 @@ class LRMoEConfig(DeepSpeedConfigModel):
     report_interval: int = Field(10, ge=1)
     """Every this many steps the planner writes per-expert retention to DeepSpeed's monitor."""
 
+    expert_bias_update_rate: float = Field(0.0, ge=0.0)
+    """Aux-loss-free load balancing (DeepSeek-V3's, GLM-4.5's; Megatron-Core's
+    moe_router_bias_update_rate): after every optimizer step, each layer built with ``expert_bias``
+    moves its selection bias by this much towards balance, +rate for an expert that got fewer pairs than
+    the mean over the step (all ranks, all micro-batches), -rate for one that got more. 0: the bias stays."""
+
     ops_backend: Literal["auto", "torch", "cuda"] = "auto"
     """Which ops run: the CUDA kernels where they build ("auto"), the torch reference ("torch"), or
     the CUDA kernels or an error that says why not ("cuda")."""

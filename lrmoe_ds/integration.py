@@ -5,6 +5,7 @@ import deepspeed
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 from torch import nn
 
+from lrmoe_ds.balancing import ExpertBiasBalancer
 from lrmoe_ds.config import LRMoEConfig, parse_config
 from lrmoe_ds.layer import LRMoE
 from lrmoe_ds.planner import MemoryPlanner
@@ -32,7 +33,9 @@ def initialize(args=None, model: Optional[nn.Module] = None, config: Any = None,
     DeepSpeed's MoE parameter groups when ``model_parameters`` is not given, then calls
     ``deepspeed.initialize`` with the same arguments, and (when the block is enabled) attaches a
     :class:`~lrmoe_ds.planner.MemoryPlanner` as ``engine.lrmoe_planner``, which sets each layer's
-    activation policy and retention cap from the memory budget and logs to DeepSpeed's monitor.
+    activation policy and retention cap from the memory budget and logs to DeepSpeed's monitor; with
+    ``expert_bias_update_rate`` > 0, an :class:`~lrmoe_ds.balancing.ExpertBiasBalancer` as
+    ``engine.lrmoe_balancer``, which updates the layers' selection biases after every optimizer step.
     Returns ``(engine, optimizer, dataloader, lr_scheduler)`` as ``deepspeed.initialize`` does.
     """
     if model is None:
@@ -45,6 +48,9 @@ def initialize(args=None, model: Optional[nn.Module] = None, config: Any = None,
     if config is not None:
         kwargs["config"] = config
     engine, *rest = deepspeed.initialize(args=args, model=model, model_parameters=model_parameters, **kwargs)
+    if lrmoe_config.expert_bias_update_rate > 0:
+        engine.lrmoe_balancer = ExpertBiasBalancer(lrmoe_layers(model), lrmoe_config.expert_bias_update_rate)
+        engine.lrmoe_balancer.attach(engine)
     if lrmoe_config.enabled and lrmoe_layers(model):
         # the memory planner follows every training step through a forward pre-hook on the engine's module
         engine.lrmoe_planner = MemoryPlanner(lrmoe_config, lrmoe_layers(model))

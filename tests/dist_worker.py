@@ -5,6 +5,7 @@
 --mode checkpoint: ZeRO 2, ep_size 2: save, continue, reload into a fresh engine, continue again.
 --mode badkey: lrmoe_ds.initialize with a misspelled "lrmoe" key (must fail with a clear error).
 --mode hf: a tiny Hugging Face Qwen3-MoE model converted with ep_size 2 against the unconverted one.
+--mode balance: expert_bias_update_rate's bias updates over 2 ranks and 2 micro-batches per step.
 Rank 0 writes a JSON of the measured differences to --out.
 """
 import argparse
@@ -253,6 +254,36 @@ def run_checkpoint(args):
             "resumed": resumed, "expert_files": None}
 
 
+def run_balance(args):
+    """expert_bias_update_rate through lrmoe_ds.initialize, ep_size 2, ZeRO 2, gradient accumulation 2: after
+    each optimizer step every rank's bias moved by rate * sign(mean - n_e), n_e summed over both ranks and both
+    micro-batches of the step."""
+    rate = 0.05
+    torch.manual_seed(0)
+    model = Net(ep_size=2)
+    model.moe = lrmoe_ds.LRMoE(H, num_experts=E, ep_size=2, k=K, ffn_hidden_size=FFN, score_func="sigmoid",
+                               expert_bias=True)
+    config = dict(ds_config(2, {"expert_bias_update_rate": rate}), gradient_accumulation_steps=2)
+    engine, _, _, _ = lrmoe_ds.initialize(model=model, config=config)
+    counted = []
+    model.moe.register_forward_hook(lambda m, i, out: counted.append(out[2].clone()))
+    bias = model.moe.deepspeed_moe.gate.score_bias
+    expected, worst = torch.zeros(E), 0.0
+    for step, (x, y) in enumerate(batches()[:3]):
+        for micro in range(2):
+            engine.backward(F.mse_loss(engine(my_slice(x) + micro), my_slice(y)))
+            engine.step()
+        if step:  # the update for step s - 1 ran before the first forward of step s
+            worst = max(worst, float((bias - expected).abs().max()))
+        n = torch.stack(counted[-2:]).sum(0).float()
+        dist.all_reduce(n)
+        expected = expected + rate * torch.sign(n.mean() - n)
+    biases = [torch.zeros(E) for _ in range(dist.get_world_size())]
+    dist.all_gather(biases, bias.detach().clone())
+    return {"bias_max_diff": worst, "ranks_agree": all(torch.equal(b, biases[0]) for b in biases),
+            "moved": float(biases[0].abs().max())}
+
+
 def run_hf(args):
     """A Hugging Face Qwen3-MoE model converted with ep_size 2: each rank keeps 2 of the 4 experts, and
     the engine's logits and backward match the unconverted model's on every rank."""
@@ -279,7 +310,7 @@ def run_hf(args):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["train", "checkpoint", "badkey", "hf"], required=True)
+    parser.add_argument("--mode", choices=["train", "checkpoint", "badkey", "hf", "balance"], required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--local_rank", type=int, default=0)
@@ -289,7 +320,7 @@ def main():
         model = Net(ep_size=2)
         lrmoe_ds.initialize(model=model, config=ds_config(2, {"enabled": True, "retention_ratoi": 0.5}))
         return
-    result = {"train": run_train, "checkpoint": run_checkpoint, "hf": run_hf}[args.mode](args)
+    result = {"train": run_train, "checkpoint": run_checkpoint, "hf": run_hf, "balance": run_balance}[args.mode](args)
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

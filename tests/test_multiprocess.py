@@ -65,3 +65,12 @@ def test_hf_model_converted_with_ep2_matches_the_original(tmp_path):
     result = json.loads(out.read_text())
     assert result["local_experts"] == [2, 2], result                  # 4 experts over 2 EP ranks
     assert result["logits_max_diff"] < 1e-4 and result["embed_grad_rel_diff"] < 1e-4, result
+
+
+def test_expert_bias_updates_from_the_counts_of_every_rank(tmp_path):
+    out = tmp_path / "balance.json"
+    proc, log = launch(tmp_path, "--mode", "balance", "--out", str(out), timeout=300)
+    assert proc.returncode == 0, log[-6000:]
+    result = json.loads(out.read_text())
+    assert result["bias_max_diff"] < 1e-7 and result["ranks_agree"], result
+    assert result["moved"] > 0, result
