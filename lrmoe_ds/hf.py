@@ -1,8 +1,7 @@
 """Hugging Face MoE blocks to LRMoE layers.
 
 ``convert_hf_moe(model)`` replaces every sparse MoE block of a Hugging Face model whose router LRMoE
-computes and whose experts are SwiGLU (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5, DeepSeek-V3 with
-ungrouped routing) with an :class:`HFMoEBlock`: an :class:`~lrmoe_ds.LRMoE` layer holding the same
+computes and whose experts are SwiGLU (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5, DeepSeek-V3) with an :class:`HFMoEBlock`: an :class:`~lrmoe_ds.LRMoE` layer holding the same
 weights, called like the block it replaces. The model then computes what it computed before (up to the
 router's fp32 logits), and ``lrmoe_ds.initialize`` or ``configure_model`` find its layers as for any
 LRMoE model.
@@ -12,8 +11,8 @@ A block is found by its structure (``block.gate`` with a ``weight`` [E, H] and `
 LRMoE's routing (``BLOCKS``), with experts holding stacked ``gate_up_proj`` [E, 2F, H] (gate rows
 first) and ``down_proj`` [E, H, F] and a SiLU activation, as transformers >= 5 lays them out. Shared
 experts (and Qwen2-MoE's sigmoid gate on its one) are kept beside the layer. Anything else (another
-router, DeepSeek-V3's group-limited selection, router jitter, biases, another activation,
-transformers 4's list of expert modules) is refused with the reason, not converted approximately.
+router, router jitter, biases, another activation, transformers 4's list of expert modules) is refused
+with the reason, not converted approximately.
 """
 from typing import List, Optional, Tuple
 
@@ -28,8 +27,8 @@ from lrmoe_ds.layer import LRMoE
 # SwiGLU experts: (router, shared expert).
 #   "softmax": softmax over the logits, top-k, renormalised where norm_topk_prob (Mixtral: always).
 #   "sigmoid": DeepSeek-V3's and GLM-4.5's: sigmoid scores; top-k of scores + e_score_correction_bias (the bias
-#       only selects) within the topk_group best of n_group groups (converted only where that is every group);
-#       renormalised where norm_topk_prob; times routed_scaling_factor.
+#       only selects) within the topk_group best of n_group groups (a group's score: its two best); renormalised
+#       where norm_topk_prob; times routed_scaling_factor.
 #   shared: None; "gated", Qwen2-MoE's out + sigmoid(shared_expert_gate(x)) * shared_expert(x); or "plain",
 #       out + shared_experts(x).
 BLOCKS = {"Qwen3MoeSparseMoeBlock": ("softmax", None), "MixtralSparseMoeBlock": ("softmax", None),
@@ -136,17 +135,18 @@ def _block_spec(name: str, block: nn.Module) -> dict:
     if norm and top_k == 1:
         raise _refuse(name, block, "it renormalises a single choice (every gate weight is 1, and the router gets no "
                                    "gradient through it); LRMoE, like DeepSpeed's top-1 gate, keeps the score")
-    bias, scale = None, 1.0
+    bias, scale, groups = None, 1.0, (1, 1)
     if router == "sigmoid":
-        groups, chosen = int(block.gate.num_group), int(block.gate.topk_group)
-        if chosen < groups:
-            raise _refuse(name, block, f"its router selects experts from the best {chosen} of {groups} expert groups "
-                                       "only (n_group, topk_group); LRMoE converts routing over every expert")
+        groups = int(block.gate.num_group), int(block.gate.topk_group)
+        if num_experts % groups[0] or not 1 <= groups[1] <= groups[0] or (groups[1] < groups[0]
+                                                                          and num_experts // groups[0] < 2):
+            raise _refuse(name, block, f"its expert groups (n_group {groups[0]}, topk_group {groups[1]}) are not "
+                                       f"ones its own router can use with {num_experts} experts")
         bias = block.gate.e_score_correction_bias.detach()
         scale = float(block.gate.routed_scaling_factor)
     return {"wg": wg, "gate_up": gate_up, "down": down, "top_k": top_k, "norm_topk_prob": norm,
-            "score_func": router, "score_bias": bias, "routed_scaling_factor": scale, "training": block.training,
-            "shared": {n: getattr(block, n) for n in shared_names}}
+            "score_func": router, "score_bias": bias, "routed_scaling_factor": scale, "groups": groups,
+            "training": block.training, "shared": {n: getattr(block, n) for n in shared_names}}
 
 
 def _build(spec: dict, ep_size: int) -> HFMoEBlock:
@@ -154,7 +154,8 @@ def _build(spec: dict, ep_size: int) -> HFMoEBlock:
     (num_experts, hidden), ffn = wg.shape, down.shape[2]
     # one expert, copied (DeepSpeed's way), instead of E initialised apart: the weights are overwritten below
     moe = LRMoE(hidden, SwiGLUExpert(hidden, ffn), num_experts=num_experts, ep_size=ep_size, k=spec["top_k"],
-                score_func=spec["score_func"], norm_topk_prob=spec["norm_topk_prob"], expert_bias=bias is not None)
+                score_func=spec["score_func"], norm_topk_prob=spec["norm_topk_prob"], expert_bias=bias is not None,
+                num_groups=spec["groups"][0], topk_groups=spec["groups"][1])
     moe.to(device=gate_up.device, dtype=gate_up.dtype)
     gate = moe.deepspeed_moe.gate.to(wg.dtype)  # a router kept in fp32 (DeepSeek-V3, GLM-4.5) stays fp32
     experts = moe.deepspeed_moe.experts  # local expert i is global expert first_global_expert + i

@@ -55,7 +55,8 @@ class LRMoE(MoE):
         num_experts: E.  ep_size: expert-parallel ranks (E % ep_size == 0).  k: experts per token.
         use_residual: Residual MoE (DeepSpeed's): a dense copy of the expert mixed in by a learned coefficient.
         ffn_hidden_size, activation ("swiglu" | "gelu"): the built-in experts' shape.
-        score_func ("softmax" | "sigmoid"), norm_topk_prob, expert_bias, z_loss_coef: see :class:`Router`.
+        score_func ("softmax" | "sigmoid"), norm_topk_prob, expert_bias, z_loss_coef, num_groups, topk_groups
+            (group-limited selection, DeepSeek-V3's n_group and topk_group): see :class:`Router`.
     forward(hidden_states [..., H]) -> (output [..., H], l_aux scalar, exp_counts [E] pairs per expert
     from this rank's tokens).
     """
@@ -67,7 +68,8 @@ class LRMoE(MoE):
                  enable_expert_tensor_parallelism: bool = False, top2_2nd_expert_sampling: bool = False, *,
                  ffn_hidden_size: Optional[int] = None, activation: Literal["swiglu", "gelu"] = "swiglu",
                  score_func: Literal["softmax", "sigmoid"] = "softmax", norm_topk_prob: bool = True,
-                 expert_bias: bool = False, z_loss_coef: float = 0.0) -> None:
+                 expert_bias: bool = False, z_loss_coef: float = 0.0, num_groups: int = 1,
+                 topk_groups: Optional[int] = None) -> None:
         nn.Module.__init__(self)  # not MoE.__init__: it would build DeepSpeed's own gate and experts
         unsupported = {"drop_tokens": drop_tokens, "noisy_gate_policy": noisy_gate_policy not in (None, "None"),
                        "use_tutel": use_tutel, "enable_expert_tensor_parallelism": enable_expert_tensor_parallelism,
@@ -96,7 +98,8 @@ class LRMoE(MoE):
         self.use_residual = use_residual
         log_dist(f"Creating LRMoE layer: num_experts {num_experts}, num_local_experts "
                  f"{self.num_local_experts}, ep_size {ep_size}, k {k}", [0])
-        router = Router(hidden_size, num_experts, k, score_func, norm_topk_prob, expert_bias, z_loss_coef)
+        router = Router(hidden_size, num_experts, k, score_func, norm_topk_prob, expert_bias, z_loss_coef, num_groups,
+                        topk_groups)
         # DeepSpeed's default layout puts consecutive ranks in one EP group: EP rank = rank % ep_size
         ep_rank = dist.get_rank() % ep_size if dist.is_initialized() else 0
         experts = GroupedExperts(expert, self.num_local_experts, self.expert_group_name, init_seed,

@@ -4,7 +4,7 @@ Two autograd nodes: the logits GEMM (:mod:`lrmoe_ds.router_gemm`) and the top-k 
 (:class:`RouterTopK`, the fused op ``ops.router_topk``); the aux loss is two torch ops on the op's counts
 and probability sums, and the z-loss a logsumexp of the logits."""
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
 import torch
 from torch import nn
@@ -52,8 +52,9 @@ class RouterTopK(torch.autograd.Function):
     topk_weight and prob_sum are differentiable."""
 
     @staticmethod
-    def forward(ctx, logits, k, score_func, norm_topk_prob, score_bias):
-        topk_index, topk_weight, counts, prob_sum = ops.router_topk(logits, k, score_func, norm_topk_prob, score_bias)
+    def forward(ctx, logits, k, score_func, norm_topk_prob, score_bias, groups=(1, None)):
+        topk_index, topk_weight, counts, prob_sum = ops.router_topk(logits, k, score_func, norm_topk_prob, score_bias,
+                                                                    num_groups=groups[0], topk_groups=groups[1])
         ctx.mark_non_differentiable(topk_index, counts)
         ctx.set_materialize_grads(False)  # an unused output (prob_sum without the aux loss) costs nothing
         ctx.save_for_backward(logits, topk_index)
@@ -64,12 +65,12 @@ class RouterTopK(torch.autograd.Function):
     def backward(ctx, d_topk_index, d_topk_weight, d_counts, d_prob_sum):
         logits, topk_index = ctx.saved_tensors
         if d_topk_weight is None and d_prob_sum is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         if d_topk_weight is None:
             d_topk_weight = logits.new_zeros(topk_index.shape)
         d_logits = ops.router_topk_backward(logits, topk_index, d_topk_weight, d_prob_sum, ctx.score_func,
                                             ctx.norm_topk_prob)
-        return d_logits, None, None, None, None
+        return d_logits, None, None, None, None, None  # given the chosen experts: grouping changes nothing here
 
 
 class Router(nn.Module):
@@ -84,19 +85,30 @@ class Router(nn.Module):
             it changes which experts are chosen, never the gate weights.
         z_loss_coef: coefficient of the router z-loss mean(logsumexp(logits)^2), applied in the
             backward (the returned aux loss is the load-balancing loss alone).
+        num_groups, topk_groups: group-limited selection (DeepSeek-V3's n_group, topk_group): each token
+            chooses among the experts of its topk_groups best groups of E / num_groups consecutive experts
+            (a group's score: the sum of its two best selection scores). Runs in torch ops (no fused kernel).
     The weight is named ``wg`` as in DeepSpeed's TopKGate, so DeepSpeed's checkpointing treats it as
     a shared (non-expert) parameter.
     """
 
     def __init__(self, hidden_size: int, num_experts: int, k: int,
                  score_func: Literal["softmax", "sigmoid"] = "softmax", norm_topk_prob: bool = True,
-                 expert_bias: bool = False, z_loss_coef: float = 0.0):
+                 expert_bias: bool = False, z_loss_coef: float = 0.0, num_groups: int = 1,
+                 topk_groups: Optional[int] = None):
         super().__init__()
         if not 1 <= k <= num_experts:
             raise ValueError(f"k must be in [1, num_experts={num_experts}], got {k}")
         if score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
+        topk_groups = num_groups if topk_groups is None else topk_groups
+        if num_groups < 1 or num_experts % num_groups or not 1 <= topk_groups <= num_groups \
+                or k > topk_groups * (num_experts // num_groups):
+            raise ValueError(f"num_groups must divide num_experts={num_experts} and topk_groups be in [1, num_groups] "
+                             f"with k={k} <= topk_groups * experts per group; got num_groups={num_groups}, "
+                             f"topk_groups={topk_groups}")
         self.num_experts, self.k = num_experts, k
+        self.num_groups, self.topk_groups = num_groups, topk_groups
         self.score_func, self.norm_topk_prob, self.z_loss_coef = score_func, norm_topk_prob, z_loss_coef
         self.wg = nn.Linear(hidden_size, num_experts, bias=False)
         if expert_bias:
@@ -108,7 +120,8 @@ class Router(nn.Module):
         """x [T, H] -> RoutingResult."""
         logits = router_logits(x, self.wg.weight)
         topk_index, topk_weight, counts, prob_sum = apply_fast(
-            RouterTopK, logits, self.k, self.score_func, self.norm_topk_prob, self.score_bias)
+            RouterTopK, logits, self.k, self.score_func, self.norm_topk_prob, self.score_bias,
+            (self.num_groups, self.topk_groups))
         # Switch/GShard balance loss over all k choices: E * sum_e mean_prob_e * pair_fraction_e
         pair_fraction = counts.to(logits.dtype) / max(topk_index.numel(), 1)
         mean_prob = prob_sum / max(x.shape[0], 1)  # a rank may hold no token: loss 0, not NaN

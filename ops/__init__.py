@@ -161,11 +161,18 @@ def _router_cuda_takes(logits: torch.Tensor) -> bool:
 
 
 def router_topk(logits: torch.Tensor, k: int, score_func: str = "softmax", norm_topk_prob: bool = True,
-                score_bias: Optional[torch.Tensor] = None, backend: Optional[str] = None):
+                score_bias: Optional[torch.Tensor] = None, backend: Optional[str] = None, num_groups: int = 1,
+                topk_groups: Optional[int] = None):
     """The router's top-k math: ``(topk_index [T, K] int64, topk_weight [T, K], counts [E] int64, prob_sum [E])``
     from logits [T, E]; see reference.router_topk. :func:`router_topk_backward` is its gradient. The CUDA
     op takes float32 logits and up to 1024 experts; under "auto", other logits (float64) run on the
-    reference, and under "cuda" they raise."""
+    reference, and under "cuda" they raise. Group-limited selection (``topk_groups`` < ``num_groups``)
+    has no CUDA kernel: it runs the reference (torch ops) on every device, and raises under "cuda"."""
+    if topk_groups is not None and topk_groups < num_groups:
+        if (_default_backend if backend in (None, "default") else backend) == "cuda":
+            raise RuntimeError("lrmoe_ds.ops.router_topk: CUDA ops were asked for but cannot be used: "
+                               "group-limited selection (topk_groups < num_groups) has no CUDA kernel yet")
+        return reference.router_topk(logits, k, score_func, norm_topk_prob, score_bias, num_groups, topk_groups)
     impl = _select("router_topk", backend, logits, _router_cuda_takes(logits))
     return impl(logits, k, score_func, norm_topk_prob, score_bias)
 

@@ -238,7 +238,7 @@ def capacity_route(pair_group: torch.Tensor, pair_rank: torch.Tensor, instance_g
 
 def _check_router(logits: torch.Tensor, k: int, score_func: str, score_bias: Optional[torch.Tensor] = None,
                   topk_index: Optional[torch.Tensor] = None, d_topk_weight: Optional[torch.Tensor] = None,
-                  d_prob_sum: Optional[torch.Tensor] = None):
+                  d_prob_sum: Optional[torch.Tensor] = None, num_groups: int = 1, topk_groups: Optional[int] = None):
     """The argument checks of router_topk and router_topk_backward (the CUDA wrappers run them too)."""
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"router_topk: logits must be a float [T, E] tensor, got {logits.dtype} of shape "
@@ -250,6 +250,12 @@ def _check_router(logits: torch.Tensor, k: int, score_func: str, score_bias: Opt
         raise ValueError(f"router_topk: score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
     if score_bias is not None and tuple(score_bias.shape) != (E,):
         raise ValueError(f"router_topk: score_bias must be [E] = [{E}], got shape {tuple(score_bias.shape)}")
+    if num_groups < 1 or E % num_groups:
+        raise ValueError(f"router_topk: num_groups must be >= 1 and divide E = {E}, got {num_groups}")
+    topk_groups = num_groups if topk_groups is None else topk_groups
+    if not 1 <= topk_groups <= num_groups or k > topk_groups * (E // num_groups):
+        raise ValueError(f"router_topk: topk_groups must be in [1, num_groups = {num_groups}] and leave k = {k} "
+                         f"experts to choose from ({E // num_groups} per group), got {topk_groups}")
     if topk_index is not None and (tuple(topk_index.shape) != (T, k) or tuple(d_topk_weight.shape) != (T, k)):
         raise ValueError(f"router_topk_backward: topk_index and d_topk_weight must both be [T, K] = [{T}, {k}]; "
                          f"got {tuple(topk_index.shape)} and {tuple(d_topk_weight.shape)}")
@@ -262,12 +268,15 @@ def _router_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
 
 
 def router_topk(logits: torch.Tensor, k: int, score_func: str = "softmax", norm_topk_prob: bool = True,
-                score_bias: Optional[torch.Tensor] = None):
+                score_bias: Optional[torch.Tensor] = None, num_groups: int = 1, topk_groups: Optional[int] = None):
     """The router's top-k math, from logits [T, E] (float32 or float64; the math runs in their dtype).
 
     scores = softmax(logits) over the experts, or sigmoid(logits) per expert. Each token takes the k
     experts of highest selection score, scores + score_bias [E] when given (the bias changes only
-    which experts are chosen), ties to the lower expert index.
+    which experts are chosen), ties to the lower expert index. Group-limited selection (DeepSeek-V3's):
+    with ``topk_groups`` < ``num_groups``, the experts form num_groups consecutive groups, each scored by
+    the sum of its two highest selection scores, and a token chooses only among the experts of its
+    topk_groups best groups.
     Returns:
         topk_index [T, K] int64: the chosen experts, in descending order of selection score;
         topk_weight [T, K]: their scores, renormalised to sum to 1 when norm_topk_prob and k > 1
@@ -277,11 +286,17 @@ def router_topk(logits: torch.Tensor, k: int, score_func: str = "softmax", norm_
             (sigmoid): the load-balancing loss's mean probability times T.
     Differentiable through plain autograd (the oracle of :func:`router_topk_backward`).
     """
-    _check_router(logits, k, score_func, score_bias)
-    E = logits.shape[1]
+    _check_router(logits, k, score_func, score_bias, num_groups=num_groups, topk_groups=topk_groups)
+    T, E = logits.shape
     scores = _router_scores(logits, score_func)
     probs = scores if score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
     select = scores.detach() if score_bias is None else scores.detach() + score_bias.to(logits.dtype)
+    if topk_groups is not None and topk_groups < num_groups:
+        per_group = E // num_groups
+        group_score = select.view(T, num_groups, per_group).topk(min(2, per_group), dim=-1).values.sum(-1)
+        best = group_score.topk(topk_groups, dim=-1).indices
+        in_best = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)
+        select = select.masked_fill(~in_best.repeat_interleave(per_group, dim=1), float("-inf"))
     # a stable descending sort: equal selection scores keep the lower expert index first (topk does not promise it)
     topk_index = torch.sort(select, dim=-1, descending=True, stable=True).indices[:, :k]
     topk_weight = scores.gather(1, topk_index)

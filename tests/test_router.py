@@ -33,6 +33,12 @@ def previous_router_forward(router, x):
     scores = torch.softmax(logits, -1) if router.score_func == "softmax" else torch.sigmoid(logits)
     probs = scores if router.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
     select = scores.detach() + (0 if router.score_bias is None else router.score_bias.to(dtype))
+    G, E = router.num_groups, router.num_experts
+    if router.topk_groups < G:  # DeepSeek-V3's group-limited selection, as Hugging Face's DeepseekV3TopkRouter has it
+        group_scores = select.view(-1, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)
+        group_mask = torch.zeros_like(group_scores).scatter_(1, torch.topk(group_scores, router.topk_groups)[1], 1)
+        score_mask = group_mask.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)
+        select = select.masked_fill(~score_mask.bool(), float("-inf"))
     topk_index = torch.topk(select, router.k, dim=-1).indices
     topk_weight = scores.gather(1, topk_index)
     if router.norm_topk_prob and router.k > 1:
@@ -43,11 +49,14 @@ def previous_router_forward(router, x):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
-@pytest.mark.parametrize("score_func,k,norm,bias", [("softmax", 2, True, False), ("softmax", 1, True, True),
-                                                     ("sigmoid", 4, True, True), ("sigmoid", 3, False, False)])
-def test_router_matches_its_previous_math(dtype, tol, score_func, k, norm, bias):
+@pytest.mark.parametrize("score_func,k,norm,bias,groups", [
+    ("softmax", 2, True, False, (1, 1)), ("softmax", 1, True, True, (1, 1)), ("sigmoid", 4, True, True, (1, 1)),
+    ("sigmoid", 3, False, False, (1, 1)), ("sigmoid", 4, True, True, (4, 2)), ("softmax", 2, True, False, (6, 1)),
+    ("sigmoid", 3, True, True, (3, 3))])
+def test_router_matches_its_previous_math(dtype, tol, score_func, k, norm, bias, groups):
     torch.manual_seed(k)
-    router = Router(16, 12, k, score_func, norm, expert_bias=bias, z_loss_coef=0.01).to(dtype)
+    router = Router(16, 12, k, score_func, norm, expert_bias=bias, z_loss_coef=0.01, num_groups=groups[0],
+                    topk_groups=groups[1]).to(dtype)
     if bias:
         router.score_bias.copy_(torch.randn(12))
     x = torch.randn(50, 16, dtype=dtype, requires_grad=True)
@@ -72,3 +81,26 @@ def test_router_is_two_autograd_nodes_and_aux_only_backward():
     assert type(out.topk_weight.grad_fn).__name__ == "RouterTopKBackward"
     out.aux_loss.backward()  # prob_sum alone reaches the op's backward
     assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.any()
+
+
+def test_group_limited_selection_chooses_within_the_best_groups_only():
+    torch.manual_seed(0)
+    router = Router(16, 12, 4, "sigmoid", expert_bias=True, num_groups=4, topk_groups=2)
+    router.score_bias.copy_(torch.randn(12))
+    x = torch.randn(64, 16)
+    out = router(x)
+    groups_used = [set((row // 3).tolist()) for row in out.topk_index]  # groups of 3 consecutive experts
+    assert all(len(g) <= 2 for g in groups_used) and any(len(g) == 2 for g in groups_used)
+    free = Router(16, 12, 4, "sigmoid", expert_bias=True)
+    free.load_state_dict(router.state_dict())
+    assert not torch.equal(free(x).topk_index, out.topk_index)  # the limit changed some choices
+
+
+def test_bad_groups_are_refused():
+    with pytest.raises(ValueError, match="num_groups must divide"):
+        Router(16, 12, 2, num_groups=5)
+    with pytest.raises(ValueError, match="topk_groups"):
+        Router(16, 12, 4, num_groups=6, topk_groups=1)  # 2 experts to choose 4 from
+    from lrmoe_ds import ops
+    with pytest.raises(RuntimeError, match="group-limited selection .* has no CUDA kernel"):
+        ops.router_topk(torch.randn(4, 12), 2, "sigmoid", num_groups=4, topk_groups=2, backend="cuda")
