@@ -64,8 +64,10 @@ def make_moe(args):
     """One MoE FFN layer: a module whose forward maps x [B, S, H] to (y [B, S, H], l_aux, exp_counts [E])."""
     if args.moe_impl == "lrmoe":
         import lrmoe_ds
+        sigmoid = args.router == "sigmoid_bias"
         return lrmoe_ds.LRMoE(hidden_size=args.hidden, num_experts=args.experts, ep_size=args.ep_size,
-                              k=args.top_k, ffn_hidden_size=args.ffn, activation="swiglu")
+                              k=args.top_k, ffn_hidden_size=args.ffn, activation="swiglu",
+                              score_func="sigmoid" if sigmoid else "softmax", expert_bias=sigmoid)
     from deepspeed.moe.layer import MoE
     moe = MoE(hidden_size=args.hidden, expert=SwiGLU(args.hidden, args.ffn), num_experts=args.experts,
               ep_size=args.ep_size, k=args.top_k, drop_tokens=False, use_rts=False,
@@ -340,6 +342,10 @@ def build_parser():
                         "its MoE blocks converted to LRMoE (needs transformers >= 5 and --moe_impl lrmoe)")
     p.add_argument("--moe_impl", choices=["lrmoe", "deepspeed"], default="lrmoe",
                    help="lrmoe: lrmoe_ds.LRMoE (the default); deepspeed: deepspeed.moe.layer.MoE, dropless (baseline)")
+    p.add_argument("--router", choices=["softmax", "sigmoid_bias"], default="softmax",
+                   help="byte_moe with lrmoe: softmax top-k (Qwen3's), or sigmoid scores with a selection bias "
+                        "(DeepSeek-V3's, GLM-4.5's), which the \"lrmoe\" block's expert_bias_update_rate balances "
+                        "(then --aux_loss_coef 0 trains without a balance loss)")
     p.add_argument("--seed", type=int, default=1234)
     return deepspeed.add_config_arguments(p)
 
@@ -414,6 +420,8 @@ def main(argv=None):
     train_data, val_data, desc = load_corpus(args.data, args.train_bytes, args.val_bytes, args.val_every,
                                              args.stdlib_tests)
     sampler = WindowSampler(train_data, args.seq_len, args.seed)
+    if args.router != "softmax" and (args.arch != "byte_moe" or args.moe_impl != "lrmoe"):
+        raise SystemExit("--router sigmoid_bias is for --arch byte_moe with --moe_impl lrmoe")
     if args.arch == "hf_qwen3_moe" and args.moe_impl != "lrmoe":
         raise SystemExit("--arch hf_qwen3_moe converts its MoE blocks to LRMoE: it needs --moe_impl lrmoe")
     model = ByteMoELM(args) if args.arch == "byte_moe" else HFQwen3MoeLM(args)

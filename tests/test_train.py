@@ -95,3 +95,21 @@ def test_train_hf_qwen3_moe_converted(tmp_path):
     files = [p.name for p in ckpt.rglob("*expert*")]
     assert sorted({(n.split("_")[1], n.split("_")[3]) for n in files}) == [(str(l), str(e)) for l in range(2)
                                                                              for e in range(4)], files
+
+
+def test_train_sigmoid_router_with_bias_updates(tmp_path):
+    """--router sigmoid_bias without a balance loss: expert_bias_update_rate moves each layer's selection bias
+    in steps of the rate, and the checkpoint keeps it."""
+    import torch
+    rate, ckpt = 0.01, tmp_path / "ckpt"
+    summary = launch(tmp_path, "bias", "--router", "sigmoid_bias", "--aux_loss_coef", "0", "--steps", "10",
+                     "--save_dir", str(ckpt), config_changes={"lrmoe": {"expert_bias_update_rate": rate}})
+    assert summary["end_step"] == 10
+    states = [torch.load(p, map_location="cpu", weights_only=False)["module"]
+              for p in sorted(ckpt.rglob("mp_rank_*_model_states.pt"))]
+    biases = {k: v for k, v in states[0].items() if k.endswith("score_bias")}
+    assert len(biases) == 2, sorted(states[0])  # one per layer
+    for bias in biases.values():
+        steps = bias / rate  # 9 updates (before steps 1..9): each entry a sum of 9 signs
+        assert bias.abs().max() > 0 and torch.allclose(steps, steps.round(), atol=1e-4), bias
+        assert steps.abs().max() <= 9
