@@ -1,8 +1,9 @@
 """Hugging Face MoE blocks to LRMoE layers.
 
 ``convert_hf_moe(model)`` replaces every sparse MoE block of a Hugging Face model whose router LRMoE
-computes and whose experts are SwiGLU (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5, DeepSeek-V3) with an :class:`HFMoEBlock`: an :class:`~lrmoe_ds.LRMoE` layer holding the same
-weights, called like the block it replaces. The model then computes what it computed before (up to the
+computes and whose experts are SwiGLU (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5, DeepSeek-V3) with
+an :class:`HFMoEBlock`: an :class:`~lrmoe_ds.LRMoE` layer holding the same weights, called like the
+block it replaces. The model then computes what it computed before (up to the
 router's fp32 logits), and ``lrmoe_ds.initialize`` or ``configure_model`` find its layers as for any
 LRMoE model.
 
@@ -21,6 +22,7 @@ from torch import nn
 
 from lrmoe_ds.experts import SwiGLUExpert
 from lrmoe_ds.layer import LRMoE
+from lrmoe_ds.ops.reference import check_groups
 
 
 # Sparse MoE block classes of transformers (>= 5) whose forward was read and found to be LRMoE's routing and
@@ -138,10 +140,10 @@ def _block_spec(name: str, block: nn.Module) -> dict:
     bias, scale, groups = None, 1.0, (1, 1)
     if router == "sigmoid":
         groups = int(block.gate.num_group), int(block.gate.topk_group)
-        if num_experts % groups[0] or not 1 <= groups[1] <= groups[0] or (groups[1] < groups[0]
-                                                                          and num_experts // groups[0] < 2):
-            raise _refuse(name, block, f"its expert groups (n_group {groups[0]}, topk_group {groups[1]}) are not "
-                                       f"ones its own router can use with {num_experts} experts")
+        try:
+            check_groups(num_experts, top_k, *groups)
+        except ValueError as exc:
+            raise _refuse(name, block, f"its expert groups (n_group, topk_group) {groups}: {exc}") from None
         bias = block.gate.e_score_correction_bias.detach()
         scale = float(block.gate.routed_scaling_factor)
     return {"wg": wg, "gate_up": gate_up, "down": down, "top_k": top_k, "norm_topk_prob": norm,

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from lrmoe_ds import ops
+from lrmoe_ds.ops import reference
 from lrmoe_ds.autograd import apply_fast
 from lrmoe_ds.router_gemm import router_logits
 
@@ -101,14 +102,9 @@ class Router(nn.Module):
             raise ValueError(f"k must be in [1, num_experts={num_experts}], got {k}")
         if score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
-        topk_groups = num_groups if topk_groups is None else topk_groups
-        if num_groups < 1 or num_experts % num_groups or not 1 <= topk_groups <= num_groups \
-                or k > topk_groups * (num_experts // num_groups):
-            raise ValueError(f"num_groups must divide num_experts={num_experts} and topk_groups be in [1, num_groups] "
-                             f"with k={k} <= topk_groups * experts per group; got num_groups={num_groups}, "
-                             f"topk_groups={topk_groups}")
+        reference.check_groups(num_experts, k, num_groups, topk_groups)
         self.num_experts, self.k = num_experts, k
-        self.num_groups, self.topk_groups = num_groups, topk_groups
+        self.num_groups, self.topk_groups = num_groups, num_groups if topk_groups is None else topk_groups
         self.score_func, self.norm_topk_prob, self.z_loss_coef = score_func, norm_topk_prob, z_loss_coef
         self.wg = nn.Linear(hidden_size, num_experts, bias=False)
         if expert_bias:

@@ -236,6 +236,16 @@ def capacity_route(pair_group: torch.Tensor, pair_rank: torch.Tensor, instance_g
     return out.to(pair_group.device)
 
 
+def check_groups(E: int, k: int, num_groups: int, topk_groups: Optional[int]) -> None:
+    """Group-limited selection's arguments (router_topk's, and the Router's at construction)."""
+    if num_groups < 1 or E % num_groups:
+        raise ValueError(f"router_topk: num_groups must be >= 1 and divide E = {E}, got {num_groups}")
+    topk_groups = num_groups if topk_groups is None else topk_groups
+    if not 1 <= topk_groups <= num_groups or k > topk_groups * (E // num_groups):
+        raise ValueError(f"router_topk: topk_groups must be in [1, num_groups = {num_groups}] and leave k = {k} "
+                         f"experts to choose from ({E // num_groups} per group), got {topk_groups}")
+
+
 def _check_router(logits: torch.Tensor, k: int, score_func: str, score_bias: Optional[torch.Tensor] = None,
                   topk_index: Optional[torch.Tensor] = None, d_topk_weight: Optional[torch.Tensor] = None,
                   d_prob_sum: Optional[torch.Tensor] = None, num_groups: int = 1, topk_groups: Optional[int] = None):
@@ -250,12 +260,7 @@ def _check_router(logits: torch.Tensor, k: int, score_func: str, score_bias: Opt
         raise ValueError(f"router_topk: score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
     if score_bias is not None and tuple(score_bias.shape) != (E,):
         raise ValueError(f"router_topk: score_bias must be [E] = [{E}], got shape {tuple(score_bias.shape)}")
-    if num_groups < 1 or E % num_groups:
-        raise ValueError(f"router_topk: num_groups must be >= 1 and divide E = {E}, got {num_groups}")
-    topk_groups = num_groups if topk_groups is None else topk_groups
-    if not 1 <= topk_groups <= num_groups or k > topk_groups * (E // num_groups):
-        raise ValueError(f"router_topk: topk_groups must be in [1, num_groups = {num_groups}] and leave k = {k} "
-                         f"experts to choose from ({E // num_groups} per group), got {topk_groups}")
+    check_groups(E, k, num_groups, topk_groups)
     if topk_index is not None and (tuple(topk_index.shape) != (T, k) or tuple(d_topk_weight.shape) != (T, k)):
         raise ValueError(f"router_topk_backward: topk_index and d_topk_weight must both be [T, K] = [{T}, {k}]; "
                          f"got {tuple(topk_index.shape)} and {tuple(d_topk_weight.shape)}")

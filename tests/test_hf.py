@@ -126,6 +126,9 @@ def test_refuses_what_it_cannot_convert_exactly():
     other.gate, other.experts = block.gate, block.experts
     with pytest.raises(ValueError, match=r"mlp \(OtherRoutingMoeBlock\).*not one read and found"):
         convert_hf_moe(torch.nn.ModuleDict({"mlp": other}))
+    model = tiny("deepseek_v3", n_group=4, topk_group=1)  # 1 expert per group: too few to choose k = 2 from
+    with pytest.raises(ValueError, match=r"\(DeepseekV3MoE\).*expert groups.*topk_groups must be"):
+        convert_hf_moe(model)
     model = tiny("qwen3", num_experts_per_tok=1, norm_topk_prob=True)  # the one weight renormalised to 1
     with pytest.raises(ValueError, match="renormalises a single choice"):
         convert_hf_moe(model)

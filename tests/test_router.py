@@ -97,7 +97,7 @@ def test_group_limited_selection_chooses_within_the_best_groups_only():
 
 
 def test_bad_groups_are_refused():
-    with pytest.raises(ValueError, match="num_groups must divide"):
+    with pytest.raises(ValueError, match="num_groups must be >= 1 and divide"):
         Router(16, 12, 2, num_groups=5)
     with pytest.raises(ValueError, match="topk_groups"):
         Router(16, 12, 4, num_groups=6, topk_groups=1)  # 2 experts to choose 4 from
