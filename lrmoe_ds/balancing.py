@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from lrmoe_ds.layer import LRMoE
+from lrmoe_ds.planner import register_step_hook
 
 
 class ExpertBiasBalancer:
@@ -31,7 +32,7 @@ class ExpertBiasBalancer:
         self.rate = rate
         self.counts = [None] * len(self.layers)
         self.hooks = [layer.register_forward_hook(self._counter(i)) for i, layer in enumerate(self.layers)]
-        self._hooked_step = None
+        self._counting = False  # an update needs a step counted before it
 
     def _counter(self, i: int):
         def count(module, inputs, outputs):
@@ -58,12 +59,11 @@ class ExpertBiasBalancer:
 
     def attach(self, engine) -> None:
         """Update before the first training forward of each new optimizer step of a DeepSpeed engine."""
-        def on_forward(module, inputs):
-            if module.training and engine.global_steps != self._hooked_step:
-                if self._hooked_step is not None:
-                    self.update()
-                self._hooked_step = engine.global_steps
-        self.hooks.append(engine.module.register_forward_pre_hook(on_forward))
+        def on_step(step):
+            if self._counting:
+                self.update()
+            self._counting = True
+        self.hooks.append(register_step_hook(engine, on_step))
 
     def remove(self) -> None:
         for hook in self.hooks:

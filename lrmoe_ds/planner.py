@@ -49,6 +49,20 @@ def _backward_bytes(s: RetentionStats) -> int:
     return int(s.retained_per_rank.max()) * s.backward_bytes_per_row
 
 
+def register_step_hook(engine, callback):
+    """Calls ``callback(engine.global_steps)`` before the first training forward of each optimizer step of a
+    DeepSpeed engine (gradient accumulation runs several forwards per step; evaluation forwards are not
+    steps). Returns the hook's handle."""
+    last = [None]
+
+    def on_forward(module, args):
+        if module.training and engine.global_steps != last[0]:
+            last[0] = engine.global_steps
+            callback(engine.global_steps)
+
+    return engine.module.register_forward_pre_hook(on_forward)
+
+
 class MemoryPlanner:
     """Sets ``layer.memory_plan`` of every LRMoE layer from the budget and the measured peak; writes monitor events.
 
@@ -70,7 +84,6 @@ class MemoryPlanner:
         self.last_step: int | None = None
         self.plans: list[dict] = []
         self._broken_queries = set()
-        self._hooked_step = None
         self._install([(layer, self._unbounded_plan()) for layer in self.layers], "warm-up (unbounded)", {})
 
     def _memory(self, name: str) -> int:
@@ -110,13 +123,7 @@ class MemoryPlanner:
         allocated = self._memory("memory_allocated")
         self.static_bytes = self._max_over_ranks(max(allocated, partition + state))[0]
 
-        def on_forward(module, args):
-            # gradient accumulation runs several forwards per step: act on the first one only
-            if module.training and engine.global_steps != self._hooked_step:
-                self._hooked_step = engine.global_steps
-                self.on_step(engine.global_steps)
-
-        self.hook = engine.module.register_forward_pre_hook(on_forward)
+        self.hook = register_step_hook(engine, lambda step: self.on_step(step))  # looked up per call
         log_dist(f"LRMoE memory planner: budget {self._gib(self.budget_bytes())} GiB, static "
                  f"{self._gib(self.static_bytes)} GiB (allocated {self._gib(allocated)}, ZeRO fp32 partitions "
                  f"{self._gib(partition)}, optimizer state {self._gib(state)}); first plan: {self.plans[-1]}",

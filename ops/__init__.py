@@ -44,6 +44,13 @@ def _check_backend(backend):
         raise ValueError(f"unknown ops backend {backend!r}; accepted: {', '.join(BACKENDS)}")
 
 
+def _resolve_backend(backend: Optional[str]) -> str:
+    """A call's backend: its own, or the default for None / "default"; checked."""
+    backend = _default_backend if backend in (None, "default") else backend
+    _check_backend(backend)
+    return backend
+
+
 def cuda_ops_status():
     """(available: bool, reason: str) for the CUDA kernels on this machine; loads them if possible."""
     global _cuda_module, _cuda_error
@@ -64,8 +71,7 @@ def _select(name: str, backend: Optional[str], tensor: torch.Tensor, cuda_takes:
     """The implementation of op ``name`` for ``tensor``. ``cuda_takes``: False where the CUDA op does not
     take these inputs (a dtype or size outside its range); "auto" then runs the reference."""
     global _fallback_said
-    backend = _default_backend if backend in (None, "default") else backend
-    _check_backend(backend)
+    backend = _resolve_backend(backend)
     if backend == "torch" or (backend == "auto" and not (tensor.is_cuda and cuda_takes)):
         return getattr(reference, name)
     ok, reason = cuda_ops_status()
@@ -169,7 +175,7 @@ def router_topk(logits: torch.Tensor, k: int, score_func: str = "softmax", norm_
     reference, and under "cuda" they raise. Group-limited selection (``topk_groups`` < ``num_groups``)
     has no CUDA kernel: it runs the reference (torch ops) on every device, and raises under "cuda"."""
     if topk_groups is not None and topk_groups < num_groups:
-        if (_default_backend if backend in (None, "default") else backend) == "cuda":
+        if _resolve_backend(backend) == "cuda":
             raise RuntimeError("lrmoe_ds.ops.router_topk: CUDA ops were asked for but cannot be used: "
                                "group-limited selection (topk_groups < num_groups) has no CUDA kernel yet")
         return reference.router_topk(logits, k, score_func, norm_topk_prob, score_bias, num_groups, topk_groups)
