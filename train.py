@@ -539,8 +539,8 @@ def main(argv=None):
     if rank == 0 and args.summary_json:
         with open(args.summary_json, "w") as f:
             json.dump(summary, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    from lrmoe_ds.integration import shutdown
+    shutdown()  # barrier, DeepSpeed's leaked CPU all-reduce segment removed, process group destroyed
 
 
 if __name__ == "__main__":

@@ -324,8 +324,7 @@ def main():
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
-    dist.barrier()  # no rank leaves while another still talks to it; then an orderly teardown of gloo
-    dist.destroy_process_group()
+    lrmoe_ds.integration.shutdown()  # barrier, DeepSpeed's leaked CPU all-reduce segment removed, teardown
 
 
 if __name__ == "__main__":

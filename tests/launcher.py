@@ -12,6 +12,8 @@ import subprocess
 import sys
 import warnings
 
+from lrmoe_ds.integration import remove_cpu_allreduce_segments
+
 ABORT = "terminate called without an active exception"
 
 
@@ -25,10 +27,14 @@ def launch_ranks(script_and_args, cwd, timeout, num_ranks=2):
     """Runs ``deepspeed --num_gpus num_ranks script args...``; returns (CompletedProcess, its stdout + stderr)."""
     log = ""
     for attempt in range(2):
+        port = _free_port()
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_ranks),
-               "--master_port", str(_free_port()), *map(str, script_and_args)]
+               "--master_port", str(port), *map(str, script_and_args)]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        try:
+            proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        finally:  # a rank that crashed or timed out left its 69 MB all-reduce segment behind
+            remove_cpu_allreduce_segments(port)
         log += f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout}{proc.stderr}"
         output = proc.stdout + proc.stderr
         aborted = ABORT in output and "exits with return code = -6" in output  # the launcher names SIGABRT

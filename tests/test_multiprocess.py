@@ -74,3 +74,28 @@ def test_expert_bias_updates_from_the_counts_of_every_rank(tmp_path):
     result = json.loads(out.read_text())
     assert result["bias_max_diff"] < 1e-7 and result["ranks_agree"], result
     assert result["moved"] > 0, result
+
+
+SHUTDOWN_SCRIPT = """
+import os, json, sys
+import deepspeed
+import lrmoe_ds.integration as integration
+deepspeed.init_distributed(dist_backend="gloo")
+port, rank = os.environ["MASTER_PORT"], int(os.environ["RANK"])
+before = len(integration.cpu_allreduce_segments(port, rank=rank))
+integration.shutdown()
+after = len(integration.cpu_allreduce_segments(port, rank=rank))
+json.dump({"before": before, "after": after}, open(sys.argv[-1] + f".{rank}", "w"))  # argv[1] is --local_rank
+"""
+
+
+def test_shutdown_removes_deepspeeds_cpu_allreduce_segment(tmp_path):
+    """DeepSpeed leaves a 69 MB /dev/shm segment per CPU rank; lrmoe_ds.integration.shutdown (train.py's exit)
+    removes this rank's own, so that runs do not fill the machine's memory one launch at a time."""
+    script = tmp_path / "shutdown.py"
+    script.write_text(SHUTDOWN_SCRIPT)
+    proc, log = launch_ranks([script, tmp_path / "seg"], cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, log[-4000:]
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"seg.{rank}").read_text())
+        assert seen == {"before": 1, "after": 0}, (rank, seen)
