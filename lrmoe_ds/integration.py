@@ -70,16 +70,13 @@ def cpu_allreduce_segments(port: Any = "*", addr: str = "*", rank: Any = "*") ->
     return glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}")
 
 
-def remove_cpu_allreduce_segments(port: Any = "*", addr: str = "*", rank: Any = "*") -> int:
+def remove_cpu_allreduce_segments(port: Any = "*", addr: str = "*", rank: Any = "*") -> None:
     """Unlinks the segments :func:`cpu_allreduce_segments` names (memory returns once no process maps them)."""
-    removed = 0
     for path in cpu_allreduce_segments(port, addr, rank):
         try:
             os.unlink(path)
-            removed += 1
         except FileNotFoundError:  # another rank or process got there first
             pass
-    return removed
 
 
 def shutdown() -> None:
