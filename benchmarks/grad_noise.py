@@ -15,6 +15,10 @@ one of half the batch.
     activation, dh its gradient); for each candidate metric m the variance of a Horvitz-Thompson estimate
     with inclusion probabilities min(1, m / tau) (sum = each expert's water-fill quota) is
     sum_p (1/pi_p - 1) ||term_p||^2. The "oracle" metric is the terms' own norm (the best possible).
+  - which split of the same retained count over the experts would sample best, for the grad_norm metric:
+    each expert's water-fill quota, the same fraction of every expert ("proportional"), or no per-expert
+    quota at all: one threshold tau over all the layer's pairs (the variance-minimising split of the
+    layer's retained count; the pipeline does not implement it, this only predicts what it would give).
 
     python3 benchmarks/grad_noise.py --out benchmarks/results/grad_noise_cpu.md
 """
@@ -123,22 +127,44 @@ METRICS = {  # candidate pair metrics from the recorded row norms (g_p ||dout_t|
 }
 
 
+def _ht_variance(m, w, q):
+    """Summed Horvitz-Thompson variance of sampling q of the terms (squared norms w) by metric m."""
+    pi = inclusion(m, q)
+    keep = pi > 0
+    return float(((1 / pi[keep] - 1) * w[keep]).sum()) + (float("inf") if bool((~keep & (w > 0)).any()) else 0.0)
+
+
+def _term_norms_sq(r):
+    return (r["dy"] * r["a"]) ** 2 + (r["dh"] * r["x"]) ** 2  # ||term_p||^2, both projections
+
+
+def _per_expert_variance(sizes, m, w, quotas):
+    bounds = [0] + sizes.cumsum(0).tolist()
+    return sum(_ht_variance(m[lo:hi], w[lo:hi], int(q)) for lo, hi, q in zip(bounds, bounds[1:], quotas) if hi > lo)
+
+
 def predicted_variance(records, ratio):
     """{metric: summed Horvitz-Thompson variance of the expert weight gradients} at one ratio."""
     out = {name: 0.0 for name in METRICS}
     for sizes, r in records:
-        w = (r["dy"] * r["a"]) ** 2 + (r["dh"] * r["x"]) ** 2  # ||term_p||^2, both projections
         quotas = plan_quotas(sizes, ratio)
-        bounds = [0] + sizes.cumsum(0).tolist()
         for name, fn in METRICS.items():
-            m = fn(r).clamp_min(1e-30)
-            for e in range(sizes.numel()):
-                lo, hi = bounds[e], bounds[e + 1]
-                if hi > lo:
-                    pi = inclusion(m[lo:hi], int(quotas[e]))
-                    keep = pi > 0
-                    out[name] += float(((1 / pi[keep] - 1) * w[lo:hi][keep]).sum()) + (
-                        float("inf") if bool((~keep & (w[lo:hi] > 0)).any()) else 0.0)
+            out[name] += _per_expert_variance(sizes, fn(r).clamp_min(1e-30), _term_norms_sq(r), quotas)
+    return out
+
+
+ALLOCATIONS = ("waterfill", "proportional", "one threshold per layer")
+
+
+def predicted_variance_by_allocation(records, ratio):
+    """{allocation: the same summed variance for the grad_norm metric}, each layer keeping the water-fill's total."""
+    out = {name: 0.0 for name in ALLOCATIONS}
+    for sizes, r in records:
+        m, w = METRICS["grad_norm (||dy|| ||x||)"](r).clamp_min(1e-30), _term_norms_sq(r)
+        waterfill = plan_quotas(sizes, ratio)
+        out["waterfill"] += _per_expert_variance(sizes, m, w, waterfill)
+        out["proportional"] += _per_expert_variance(sizes, m, w, plan_quotas(sizes, ratio, allocation="proportional"))
+        out["one threshold per layer"] += _ht_variance(m, w, int(waterfill.sum()))
     return out
 
 
@@ -218,6 +244,12 @@ def main(argv=None):
     predicted = {r: predicted_variance(records, r) for r in args.ratio}
     for name in METRICS:
         lines.append(f"| {name} | " + " | ".join(f"{predicted[r][name] / expert_mb:.2f}" for r in args.ratio) + " |")
+    lines += ["", "Predicted variance of the same, for the grad_norm metric, by how each layer's retained count "
+              "(the water-fill's) is split over its experts, over the same minibatch noise:", "",
+              "| allocation | " + " | ".join(f"r={r}" for r in args.ratio) + " |", "| --- " * (1 + len(args.ratio)) + "|"]
+    by_allocation = {r: predicted_variance_by_allocation(records, r) for r in args.ratio}
+    for name in ALLOCATIONS:
+        lines.append(f"| {name} | " + " | ".join(f"{by_allocation[r][name] / expert_mb:.2f}" for r in args.ratio) + " |")
     text = "\n".join(lines)
     print(text)
     if args.out:
