@@ -147,9 +147,9 @@ def predicted_variance(records, ratio):
     """{metric: summed Horvitz-Thompson variance of the expert weight gradients} at one ratio."""
     out = {name: 0.0 for name in METRICS}
     for sizes, r in records:
-        quotas = plan_quotas(sizes, ratio)
+        quotas, w = plan_quotas(sizes, ratio), _term_norms_sq(r)
         for name, fn in METRICS.items():
-            out[name] += _per_expert_variance(sizes, fn(r).clamp_min(1e-30), _term_norms_sq(r), quotas)
+            out[name] += _per_expert_variance(sizes, fn(r).clamp_min(1e-30), w, quotas)
     return out
 
 
