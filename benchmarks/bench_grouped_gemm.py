@@ -18,10 +18,21 @@ from timing import median_ms, median_ms_interleaved
 SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "glm-4.5-air": (4096, 1408, 128, 8)}
 
 
-# (LRMOE_GEMM_CONFIG, LRMOE_GEMM_RASTER, LRMOE_GEMM_SWIZZLE); the first is the default. The config
-# only changes wgrad (ping-pong by default, "coop" for the cooperative kernel); forward and dgrad
-# always run the cooperative kernel (their ping-pong variants were dropped, see benchmarks/results).
-VARIANTS = [("auto", "m", "1"), ("coop", "m", "1"), ("coop", "n", "2"), ("pingpong", "m", "1")]
+# (LRMOE_GEMM_CONFIG, LRMOE_GEMM_RASTER, LRMOE_GEMM_SWIZZLE); the first is the default (see gemm.cu):
+# "coop" runs the cooperative 128x256x64 kernel in every pass, "pingpong" it for forward and dgrad only
+# (wgrad ping-pong 128x128x64, as by default); "m64" is the default kernels.
+VARIANTS = [("auto", "m", "1"), ("coop", "m", "1"), ("coop", "n", "2"), ("pingpong", "m", "1"), ("m64", "n", "2")]
+
+
+def parse_variants(text):
+    """'auto-m1,pingpong-n2' -> [("auto", "m", "1"), ("pingpong", "n", "2")]; auto-m1 (the default) first."""
+    out = [("auto", "m", "1")]
+    for name in text.split(","):
+        cfg, order = name.rsplit("-", 1)
+        v = (cfg, order[0], order[1:])
+        if v not in out:
+            out.append(v)
+    return out
 
 
 def with_variant(fn, cfg, raster, swz):
@@ -73,7 +84,7 @@ def weight_layouts(E, shapes):
     return {"separate": separate, "flat": flat_views, "stacked": [list(W.unbind(0)) for W in stacked]}, stacked
 
 
-def bench_case(name, H, F, E, k, T, skew, gen, variants=True):
+def bench_case(name, H, F, E, k, T, skew, gen, variants=VARIANTS, passes=("fwd", "dgrad", "wgrad")):
     sizes = routed_sizes(T, k, E, skew, gen)
     M = int(sizes.sum())
     sizes_d = sizes.cuda()
@@ -116,12 +127,14 @@ def bench_case(name, H, F, E, k, T, skew, gen, variants=True):
                 return lambda: ops.grouped_linear_dgrad(dy, w, sizes_d, backend="cuda")
             return lambda: ops.grouped_linear_wgrad(dy, x, sizes_d, out=grads[layout], backend="cuda")
 
-        passes = {
+        fns_of_pass = {
             "fwd": (lambda: torch._grouped_mm(x, W.transpose(-2, -1), offs=offs), loop_fwd),
             "dgrad": (lambda: torch._grouped_mm(dy, W, offs=offs), loop_dgrad),
             "wgrad": (lambda: torch._grouped_mm(dy.t(), x, offs=offs), loop_wgrad),
         }
-        for pname, (theirs, loop) in passes.items():
+        for pname, (theirs, loop) in fns_of_pass.items():
+            if pname not in passes:
+                continue
             a = ours(pname)()
             a = torch.stack(a) if isinstance(a, list) else a
             try:
@@ -133,9 +146,8 @@ def bench_case(name, H, F, E, k, T, skew, gen, variants=True):
             # drift of the clocks during the cell favours none of them
             fns = {"torch": theirs} if theirs is not None else {}
             fns.update({lay: with_variant(ours(pname, lay), *VARIANTS[0]) for lay in ("flat", "stacked")})
-            variant_names = [f"{c}-{r}{z}" for c, r, z in VARIANTS] if variants else ["auto-m1"]
-            for vn, (c, r, z) in zip(variant_names, VARIANTS):
-                fns[vn] = with_variant(ours(pname), c, r, z)
+            for c, r, z in variants:
+                fns[f"{c}-{r}{z}"] = with_variant(ours(pname), c, r, z)
             timed = median_ms_interleaved(fns)
             clear_variant()
             t_torch = timed.pop("torch", float("nan"))
@@ -145,7 +157,8 @@ def bench_case(name, H, F, E, k, T, skew, gen, variants=True):
             t_loop = median_ms(loop, reps=5, warmup=1, inner=1)
             rows.append((name, T, skew, proj, pname, M, N, K, t_ours, flops / t_ours / 1e9, t_torch,
                          flops / t_torch / 1e9, t_loop, flops / t_loop / 1e9, t_torch / t_ours, err,
-                         best, t_torch / timed[best], t_flat, t_torch / t_flat, t_stacked, t_torch / t_stacked))
+                         best, t_torch / timed[best], t_flat, t_torch / t_flat, t_stacked, t_torch / t_stacked,
+                         {vn: t_torch / t for vn, t in timed.items()}))
         del W, x, dy, grads
     return rows
 
@@ -157,6 +170,10 @@ def main():
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--routing", default="uniform,zipf")
     p.add_argument("--no_variants", action="store_true", help="time the default scheduler only")
+    p.add_argument("--variants", default=None,
+                   help="kernel-scheduler variants to time, e.g. pingpong-n2,coop-m1 (default: " +
+                   ",".join(f"{c}-{r}{z}" for c, r, z in VARIANTS) + ")")
+    p.add_argument("--passes", default="fwd,dgrad,wgrad")
     args = p.parse_args()
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
@@ -164,19 +181,22 @@ def main():
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     dense = 2 * 8192 ** 3 / median_ms(lambda: a @ b) / 1e9
     del a, b
+    variants = [VARIANTS[0]] if args.no_variants else parse_variants(args.variants) if args.variants else VARIANTS
     rows = []
     for name in args.shapes.split(","):
         H, F, E, k = SHAPES[name]
         for T in [int(t) for t in args.tokens.split(",")]:
             for skew in args.routing.split(","):
-                rows.extend(bench_case(name, H, F, E, k, T, skew, gen, variants=not args.no_variants))
+                rows.extend(bench_case(name, H, F, E, k, T, skew, gen, variants=variants,
+                                       passes=args.passes.split(",")))
     lines = [f"# Segmented GEMM on {torch.cuda.get_device_name()} (torch {torch.__version__})", "",
              "Command: `python3 benchmarks/bench_grouped_gemm.py` (bf16, fp32 accumulation; median of 15 CUDA-event "
              "timings of 5 back-to-back calls each, torch._grouped_mm and every column of ours timed in turns with "
-             "the order rotating per timing, so that clock drift favours none; 5 single calls for the loop). Variants: wgrad kernel coop "
-             "(128x256x64) or pingpong (128x128x64) (LRMOE_GEMM_CONFIG; forward and dgrad are always coop), raster "
+             "the order rotating per timing, so that clock drift favours none; 5 single calls for the loop). Variants: kernel coop "
+             "(cooperative 128x256x64, torch._grouped_mm's, in every pass), pingpong (cooperative for forward and "
+             "dgrad, ping-pong 128x128x64 for wgrad) (LRMOE_GEMM_CONFIG), raster "
              "order m|n and swizzle 1|2 (LRMOE_GEMM_RASTER, LRMOE_GEMM_SWIZZLE); the ratio column is the default, "
-             "auto-m1 (ping-pong for wgrad, cooperative otherwise), with each expert's weights allocated separately "
+             "auto-m1 (ping-pong 64x256x64 for forward and dgrad, ping-pong 128x128x64 for wgrad), with each expert's weights allocated separately "
              "(as after module.to(device)), and for wgrad a separate output tensor per expert. 'flat W': the "
              "weights as views of one buffer in DeepSpeed ZeRO's order (expert 0's up and down weights, then expert "
              "1's...), as ZeRO-1/2 and the bf16 optimizer leave the parameters; 'stacked W': views of one [E, N, K] "
@@ -197,6 +217,11 @@ def main():
     lines += ["", f"Worst ratio: {worst:.2f} (flat W: {min(r[19] for r in rows):.2f}, stacked W: "
               f"{min(r[21] for r in rows):.2f}). Up-projection forward: {min(up):.0f}-{max(up):.0f} TFLOP/s "
               f"({100 * min(up) / dense:.0f}-{100 * max(up) / dense:.0f}% of the measured dense rate)."]
+    names = list(rows[0][22])
+    lines += ["", "Ratio (torch time / ours) of every variant timed:", "",
+              "| shape | tokens | routing | proj | pass | " + " | ".join(names) + " |", "| --- " * (5 + len(names)) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join([r[0], str(r[1]), r[2], r[3], r[4]] + [f"{r[22][n]:.2f}" for n in names]) + " |")
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -127,14 +127,17 @@ size_t grouped_gemm(GemmPass pass, DType dtype, DType out_dtype, int64_t M, int6
   Scratch sc(temp);
   size_t gemm_bytes = 0;
   auto cutlass_run = [&](void* t, size_t bytes) {
-    // Kernel: cooperative 128x256x64 for forward and dgrad; for wgrad ping-pong 128x128x64 (the faster
-    // in most wgrad cells on the H200, benchmarks/results/), or the cooperative one with
-    // LRMOE_GEMM_CONFIG=coop (read per call, for benchmarks and tests). Ping-pong kernels for forward
-    // and dgrad were measured too, rarely won, and were dropped to keep the build (and CI) short.
+    // Kernel per pass (benchmarks/results/grouped_gemm_h200.md). Forward and dgrad: ping-pong 64x256x64.
+    // A group's last row tile is partly empty, and 64-row tiles leave half as much empty as the 128-row
+    // tiles of the cooperative 128x256x64 kernel (torch._grouped_mm's): 5-18% faster on the H200.
+    // wgrad (rows = the weight's, no ragged tile): ping-pong 128x128x64. LRMOE_GEMM_CONFIG (read per
+    // call, for benchmarks and tests) forces: "coop" the cooperative kernel in every pass, "pingpong"
+    // the cooperative kernel for forward and dgrad (wgrad as by default), "m64" the default.
     const char* cfg = std::getenv("LRMOE_GEMM_CONFIG");
     const bool coop = cfg && cfg[0] == 'c';
-    auto fn = pass == GemmPass::kFwd ? cutlass_gemm::run_fwd
-              : pass == GemmPass::kDgrad ? cutlass_gemm::run_dgrad
+    const bool m64 = !(coop || (cfg && cfg[0] == 'p'));
+    auto fn = pass == GemmPass::kFwd ? (m64 ? cutlass_gemm::run_fwd_m64 : cutlass_gemm::run_fwd)
+              : pass == GemmPass::kDgrad ? (m64 ? cutlass_gemm::run_dgrad_m64 : cutlass_gemm::run_dgrad)
                                          : (coop ? cutlass_gemm::run_wgrad : cutlass_gemm::run_wgrad_pingpong);
     return fn(M, N, K, G, a, b, group_ptrs, group_sizes, out, accumulate, t, bytes, stream);
   };
