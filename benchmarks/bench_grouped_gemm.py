@@ -9,6 +9,7 @@ time / our time (>= 1: at least as fast as torch._grouped_mm).
 """
 import argparse
 import os
+import sys
 
 import torch
 
@@ -189,13 +190,21 @@ def main():
             for skew in args.routing.split(","):
                 rows.extend(bench_case(name, H, F, E, k, T, skew, gen, variants=variants,
                                        passes=args.passes.split(",")))
+                text = report(rows, dense)
+                if args.out:  # rewritten after every case, so that a timeout keeps what ran
+                    open(args.out, "w").write(text + "\n")
+    print(text)
+
+
+def report(rows, dense):
     lines = [f"# Segmented GEMM on {torch.cuda.get_device_name()} (torch {torch.__version__})", "",
-             "Command: `python3 benchmarks/bench_grouped_gemm.py` (bf16, fp32 accumulation; median of 15 CUDA-event "
+             f"Command: `python3 benchmarks/bench_grouped_gemm.py {' '.join(sys.argv[1:])}` (bf16, fp32 accumulation; "
+             "median of 15 CUDA-event "
              "timings of 5 back-to-back calls each, torch._grouped_mm and every column of ours timed in turns with "
              "the order rotating per timing, so that clock drift favours none; 5 single calls for the loop). Variants: kernel coop "
              "(cooperative 128x256x64, torch._grouped_mm's, in every pass), pingpong (cooperative for forward and "
              "dgrad, ping-pong 128x128x64 for wgrad) (LRMOE_GEMM_CONFIG), raster "
-             "order m|n and swizzle 1|2 (LRMOE_GEMM_RASTER, LRMOE_GEMM_SWIZZLE); the ratio column is the default, "
+             "order m|n and swizzle 1|2|4 (LRMOE_GEMM_RASTER, LRMOE_GEMM_SWIZZLE); the ratio column is the default, "
              "auto-m1 (ping-pong 64x256x64 for forward and dgrad, ping-pong 128x128x64 for wgrad), with each expert's weights allocated separately "
              "(as after module.to(device)), and for wgrad a separate output tensor per expert. 'flat W': the "
              "weights as views of one buffer in DeepSpeed ZeRO's order (expert 0's up and down weights, then expert "
@@ -212,20 +221,20 @@ def main():
                                         f"{r[8]:.3f}", f"{r[9]:.0f}", f"{r[10]:.3f}", f"{r[11]:.0f}", f"{r[12]:.3f}",
                                         f"{r[13]:.0f}", f"{r[14]:.2f}", f"{r[15]:.1e}", r[16], f"{r[17]:.2f}",
                                         f"{r[18]:.3f}", f"{r[19]:.2f}", f"{r[20]:.3f}", f"{r[21]:.2f}"]) + " |")
-    worst = min(r[14] for r in rows)
+    ratios = sorted(r[14] for r in rows)
+    lines += ["", f"Ratio: worst {ratios[0]:.2f}, median {ratios[len(ratios) // 2]:.2f}, "
+              f"{sum(x >= 1.0 for x in ratios)} of {len(ratios)} cells >= 1.0 (flat W: worst "
+              f"{min(r[19] for r in rows):.2f}, stacked W: worst {min(r[21] for r in rows):.2f})."]
     up = [r[9] for r in rows if r[3] == "up" and r[4] == "fwd"]
-    lines += ["", f"Worst ratio: {worst:.2f} (flat W: {min(r[19] for r in rows):.2f}, stacked W: "
-              f"{min(r[21] for r in rows):.2f}). Up-projection forward: {min(up):.0f}-{max(up):.0f} TFLOP/s "
-              f"({100 * min(up) / dense:.0f}-{100 * max(up) / dense:.0f}% of the measured dense rate)."]
+    if up:
+        lines[-1] += (f" Up-projection forward: {min(up):.0f}-{max(up):.0f} TFLOP/s "
+                      f"({100 * min(up) / dense:.0f}-{100 * max(up) / dense:.0f}% of the measured dense rate).")
     names = list(rows[0][22])
     lines += ["", "Ratio (torch time / ours) of every variant timed:", "",
               "| shape | tokens | routing | proj | pass | " + " | ".join(names) + " |", "| --- " * (5 + len(names)) + "|"]
     for r in rows:
         lines.append("| " + " | ".join([r[0], str(r[1]), r[2], r[3], r[4]] + [f"{r[22][n]:.2f}" for n in names]) + " |")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        open(args.out, "w").write(text + "\n")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <stdexcept>
+#include <string>
 
 #include "gemm_common.h"
 
@@ -133,9 +135,11 @@ size_t grouped_gemm(GemmPass pass, DType dtype, DType out_dtype, int64_t M, int6
     // wgrad (rows = the weight's, no ragged tile): ping-pong 128x128x64. LRMOE_GEMM_CONFIG (read per
     // call, for benchmarks and tests) forces: "coop" the cooperative kernel in every pass, "pingpong"
     // the cooperative kernel for forward and dgrad (wgrad as by default), "m64" the default.
-    const char* cfg = std::getenv("LRMOE_GEMM_CONFIG");
-    const bool coop = cfg && cfg[0] == 'c';
-    const bool m64 = !(coop || (cfg && cfg[0] == 'p'));
+    const std::string cfg = std::getenv("LRMOE_GEMM_CONFIG") ? std::getenv("LRMOE_GEMM_CONFIG") : "auto";
+    if (cfg != "auto" && cfg != "m64" && cfg != "coop" && cfg != "pingpong")
+      throw std::invalid_argument("LRMOE_GEMM_CONFIG must be auto, m64, coop or pingpong, not '" + cfg + "'");
+    const bool coop = cfg == "coop";
+    const bool m64 = cfg == "auto" || cfg == "m64";
     auto fn = pass == GemmPass::kFwd ? (m64 ? cutlass_gemm::run_fwd_m64 : cutlass_gemm::run_fwd)
               : pass == GemmPass::kDgrad ? (m64 ? cutlass_gemm::run_dgrad_m64 : cutlass_gemm::run_dgrad)
                                          : (coop ? cutlass_gemm::run_wgrad : cutlass_gemm::run_wgrad_pingpong);

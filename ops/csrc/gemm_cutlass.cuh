@@ -19,6 +19,8 @@
 #include <cutlass/util/packed_stride.hpp>
 
 #include <cstdlib>
+#include <stdexcept>
+#include <string>
 
 #include "gemm_common.h"
 
@@ -159,11 +161,15 @@ size_t run(GemmPass pass, int64_t M, int64_t N, int64_t K, int64_t G, const void
   // Tile order of the persistent scheduler (read per call, so benchmarks can compare):
   // LRMOE_GEMM_RASTER=m|n (default m: consecutive tiles walk down M and share the weight tile),
   // LRMOE_GEMM_SWIZZLE=1|2|4|8 (default 1).
-  const char* raster = std::getenv("LRMOE_GEMM_RASTER");
-  const char* swizzle = std::getenv("LRMOE_GEMM_SWIZZLE");
+  const std::string raster = std::getenv("LRMOE_GEMM_RASTER") ? std::getenv("LRMOE_GEMM_RASTER") : "m";
+  const std::string swizzle = std::getenv("LRMOE_GEMM_SWIZZLE") ? std::getenv("LRMOE_GEMM_SWIZZLE") : "1";
+  if (raster != "m" && raster != "n")
+    throw std::invalid_argument("LRMOE_GEMM_RASTER must be m or n, not '" + raster + "'");
+  if (swizzle != "1" && swizzle != "2" && swizzle != "4" && swizzle != "8")
+    throw std::invalid_argument("LRMOE_GEMM_SWIZZLE must be 1, 2, 4 or 8, not '" + swizzle + "'");
   using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
-  args.scheduler.raster_order = (raster && raster[0] == 'n') ? Raster::AlongN : Raster::AlongM;
-  args.scheduler.max_swizzle_size = swizzle ? std::max(1, std::atoi(swizzle)) : 1;
+  args.scheduler.raster_order = raster == "n" ? Raster::AlongN : Raster::AlongM;
+  args.scheduler.max_swizzle_size = std::stoi(swizzle);
   const size_t workspace_bytes = Gemm::get_workspace_size(args);
   void* workspace = sc.take<char>(workspace_bytes);
   if (temp == nullptr) return sc.used;

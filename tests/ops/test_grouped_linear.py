@@ -30,9 +30,14 @@ def test_matches_fp64_reference(ext, rel_fro, tol, monkeypatch, shape, spread, d
     assert torch.equal(api, ops.grouped_linear(xc, wc, sc, backend="cuda"))  # deterministic
 
 
-def test_bad_input(ext):
+def test_bad_input(ext, monkeypatch):
     x = torch.randn(8, 16, device="cuda", dtype=torch.bfloat16)
     ws = [torch.randn(32, 16, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    for var, value in (("LRMOE_GEMM_CONFIG", "fast"), ("LRMOE_GEMM_RASTER", "k"), ("LRMOE_GEMM_SWIZZLE", "3")):
+        with monkeypatch.context() as env:  # the benchmarks' kernel switches: a typo is an error, not the default
+            env.setenv(var, value)
+            with pytest.raises(ValueError, match=f"{var} must be .*'{value}'"):
+                ops.grouped_linear(x, ws, torch.tensor([4, 4], device="cuda"), backend="cuda")
     with pytest.raises(ValueError, match="3 weights for 2 groups|2 weights for 3 groups"):
         ops.grouped_linear(x, ws, torch.tensor([4, 2, 2], device="cuda"), backend="cuda")
     with pytest.raises(ValueError, match="does not match"):
