@@ -100,8 +100,8 @@ def build(kind, H, Fh, E, k):
 
 def to_device_flat(layer, dev):
     """``layer.to(dev)`` with its parameters then laid out as DeepSpeed's bf16 and ZeRO-1/2 optimizers leave
-    them: views of one flat buffer, in parameter order (so each expert's weights lie together, one expert
-    after another; DeepSpeed keeps expert and shared parameters in separate groups, each one buffer)."""
+    them: views of one flat buffer, in parameter order (the two stacked expert weights, then the rest:
+    DeepSpeed keeps expert and shared parameters in separate groups, each one buffer)."""
     layer = layer.to(dev)
     params = list(layer.parameters())
     experts = [p for p in params if not getattr(p, "allreduce", True)]  # DeepSpeed's mark of expert parameters

@@ -42,8 +42,8 @@ GROUPS = ("expert gate_up", "expert down", "router", "rest")
 
 
 def group_of(name):
-    if "deepspeed_experts" in name:
-        return "expert gate_up" if "gate_up_proj" in name else "expert down"
+    if ".experts.weight" in name:
+        return "expert gate_up" if name.endswith("weight1") else "expert down"
     return "router" if ".gate.wg." in name else "rest"
 
 

@@ -1,6 +1,6 @@
-"""Experts: per-expert modules (each its own parameters, named as DeepSpeed's checkpoints expect), and
-the grouped MLP's forward and backward over variable-size groups of rows (the backward over the
-retained rows alone).
+"""Experts: the local experts of a layer (the built-in ones as one stacked parameter per projection,
+saved and loaded under DeepSpeed's per-expert checkpoint names), and the grouped MLP's forward and
+backward over variable-size groups of rows (the backward over the retained rows alone).
 """
 import copy
 from dataclasses import dataclass
@@ -9,32 +9,16 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules.module import (register_module_module_registration_hook,
-                                     register_module_parameter_registration_hook)
 
 from lrmoe_ds import ops
 from lrmoe_ds.ops import reference
-
-# Parameters or submodules registered anywhere in the process so far. GroupedExperts caches its
-# projection lists (collecting 2 x 128 weights through nn.Module attribute lookups costs about a
-# millisecond of host time per forward) and rebuilds them when this count has moved: a weight or an
-# expert replaced by assignment always passes through these registration hooks.
-_registrations = 0
-
-
-def _count_registration(*args):
-    global _registrations
-    _registrations += 1
-
-
-register_module_parameter_registration_hook(_count_registration)
-register_module_module_registration_hook(_count_registration)
 
 
 class SwiGLUExpert(nn.Module):
     """Qwen3/GLM/Mixtral expert: down(silu(gate(x)) * up(x)); gate and up fused as ``gate_up_proj``
     ([2F, H], gate rows first), ``down_proj`` [H, F]. No biases."""
     activation = "swiglu"
+    projection_names = ("gate_up_proj", "down_proj")
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int):
         super().__init__()
@@ -60,6 +44,7 @@ class SwiGLUExpert(nn.Module):
 class GELUExpert(nn.Module):
     """Plain MLP expert: fc2(gelu(fc1(x))), fc1 [F, H], fc2 [H, F]. No biases."""
     activation = "gelu"
+    projection_names = ("fc1", "fc2")
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int):
         super().__init__()
@@ -108,7 +93,8 @@ def mlp_backward(rows: BackwardRows, w1: Sequence[torch.Tensor], w2: Sequence[to
                  group_sizes: torch.Tensor, want_output_dot: bool = False):
     """The backward of :func:`mlp_forward` over the rows given (the retained ones).
 
-    Returns (dx, dw1, dw2, y_dot_dy): y_dot_dy [M] = <y_m, dy_m> of the recomputed outputs y if
+    Returns (dx, dw1, dw2, y_dot_dy): dw1, dw2 the weight gradients stacked [G, N, K] (what the stacked
+    parameters of :class:`GroupedExperts` take); y_dot_dy [M] = <y_m, dy_m> of the recomputed outputs y if
     ``want_output_dot`` (the retained-pairs router gradient), else None. The order of the steps and
     the freeing of ``rows`` keep at most about three [M, *] buffers alive at once.
     """
@@ -118,7 +104,7 @@ def mlp_backward(rows: BackwardRows, w1: Sequence[torch.Tensor], w2: Sequence[to
         h = ops.grouped_linear(x, w1, group_sizes)
     a = expert_type.act(h)
     da = ops.grouped_linear_dgrad(dy, w2, group_sizes)
-    dw2 = ops.grouped_linear_wgrad(dy, a, group_sizes)
+    dw2 = _stacked_wgrad(dy, a, group_sizes)
     y_dot_dy = None
     if want_output_dot:
         y = ops.grouped_linear(a, w2, group_sizes)
@@ -127,68 +113,88 @@ def mlp_backward(rows: BackwardRows, w1: Sequence[torch.Tensor], w2: Sequence[to
     del a, dy
     dh = expert_type.act_backward(h, da)
     del h, da
-    dw1 = ops.grouped_linear_wgrad(dh, x, group_sizes)
+    dw1 = _stacked_wgrad(dh, x, group_sizes)
     del x
     dx = ops.grouped_linear_dgrad(dh, w1, group_sizes)
     return dx, dw1, dw2, y_dot_dy
 
 
-@torch.no_grad()
-def _init_linears(module: nn.Module, generator: torch.Generator) -> None:
-    """nn.Linear's default initialisation (uniform in +-1/sqrt(fan_in)), drawn from ``generator``."""
-    for m in module.modules():
-        if isinstance(m, nn.Linear):
-            bound = m.in_features ** -0.5
-            m.weight.uniform_(-bound, bound, generator=generator)
-            if m.bias is not None:
-                m.bias.uniform_(-bound, bound, generator=generator)
+def _stacked_wgrad(dy: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """dW [G, N, K] with dW_g = dy_g^T x_g, written by the grouped GEMM into one buffer (empty groups: zeros)."""
+    grad = dy.new_empty(group_sizes.numel(), dy.shape[1], x.shape[1])
+    ops.grouped_linear_wgrad(dy, x, group_sizes, out=ops.split_groups(grad))
+    return grad
 
 
 class GroupedExperts(nn.Module):
-    """The local experts of one layer, as ``deepspeed_experts`` (DeepSpeed's checkpoint naming).
+    """The local experts of one layer.
+
+    Built-in experts (:class:`SwiGLUExpert`, :class:`GELUExpert`) run as grouped GEMMs and are held as
+    one parameter per projection, ``weight1`` [G, N1, H] and ``weight2`` [G, H, F] (G local experts, each
+    slice in nn.Linear's [out, in] layout), as Megatron-Core's GroupedMLP does: autograd and DeepSpeed's
+    optimizers then handle two parameters per layer instead of 2 G (each costs about 10 us of host time
+    per backward in autograd alone, benchmarks/results/host_time_h200.md). ``state_dict`` still names each
+    expert's weights as DeepSpeed's MoE does (``deepspeed_experts.<i>.<projection>.weight``), so
+    DeepSpeed writes one checkpoint file per expert and loads them back; ``load_state_dict`` stacks them.
+    Any other expert module stays a ``deepspeed_experts`` ModuleList and runs in a per-expert loop
+    (exact and dropless, without retention).
 
     Args:
-        expert: the expert to replicate. A :class:`SwiGLUExpert` or :class:`GELUExpert` runs as
-            grouped GEMMs (and supports retention); any other module runs in a per-expert loop
-            (exact and dropless, without retention).
-        num_local_experts: experts held by this rank.  expert_group_name: DeepSpeed's EP group name.
+        expert: the expert to replicate.  num_local_experts: G, experts held by this rank.
+        expert_group_name: DeepSpeed's EP group name.
         init_seed: None keeps identical copies of ``expert`` (DeepSpeed's behaviour); an int
-            initialises each expert's linear layers apart, from a generator seeded by
-            ``init_seed + its global index``, so a model is the same whatever its ep_size.
+            initialises each expert apart (nn.Linear's default, per projection in order), from a
+            generator seeded by ``init_seed + its global index``, so a model is the same whatever its ep_size.
         first_global_expert: global index of local expert 0.
     """
 
     def __init__(self, expert: nn.Module, num_local_experts: int, expert_group_name: str,
                  init_seed: Optional[int] = None, first_global_expert: int = 0):
         super().__init__()
-        self.deepspeed_experts = nn.ModuleList([copy.deepcopy(expert) for _ in range(num_local_experts)])
         self.num_local_experts, self.first_global_expert = num_local_experts, first_global_expert
         self.grouped = type(expert) in EXPERT_TYPES.values()
-        self._projections = None
-        for i, e in enumerate(self.deepspeed_experts):
+        self._views = None
+        if self.grouped:
+            self.expert_type = type(expert)
+            ws = [w.detach() for w in expert.projections()]
+            stacked = [w.unsqueeze(0).repeat(num_local_experts, 1, 1) for w in ws]  # DeepSpeed's copies
             if init_seed is not None:
-                _init_linears(e, torch.Generator().manual_seed(init_seed + first_global_expert + i))
-            for p in e.parameters():
-                # DeepSpeed's marks: excluded from the data-parallel all-reduce, reduced over the
-                # expert-data-parallel group of this name instead
-                p.allreduce = False
-                p.group_name = expert_group_name
+                for i in range(num_local_experts):
+                    gen = torch.Generator().manual_seed(init_seed + first_global_expert + i)
+                    for W, w in zip(stacked, ws):  # nn.Linear's default, projection by projection
+                        bound = w.shape[1] ** -0.5
+                        W[i].copy_(torch.empty(w.shape).uniform_(-bound, bound, generator=gen))
+            self.weight1, self.weight2 = nn.Parameter(stacked[0]), nn.Parameter(stacked[1])
+            params = (self.weight1, self.weight2)
+            self.register_state_dict_post_hook(_per_expert_state_dict)
+            self.register_load_state_dict_pre_hook(_stack_per_expert_state_dict)
+        else:
+            self.deepspeed_experts = nn.ModuleList([copy.deepcopy(expert) for _ in range(num_local_experts)])
+            params = [p for e in self.deepspeed_experts for p in e.parameters()]
+        for p in params:
+            # DeepSpeed's marks: excluded from the data-parallel all-reduce, reduced over the
+            # expert-data-parallel group of this name instead
+            p.allreduce = False
+            p.group_name = expert_group_name
 
-    def _apply(self, fn, recurse=True):
-        # a dtype or device conversion may put new Parameter objects straight into _parameters (torch.__future__'s
-        # overwrite mode), past the registration hooks
-        self._projections = None
-        return super()._apply(fn, recurse)
+    def checkpoint_names(self):
+        """(weight1's, weight2's) per-expert name under ``deepspeed_experts.<i>.``, e.g. gate_up_proj.weight."""
+        return tuple(f"{name}.weight" for name in self.expert_type.projection_names)
 
     def projections(self):
-        """(w1 tuple, w2 tuple, expert type: its ``act`` and ``act_backward``) of the built-in experts, for
-        the grouped path; cached until a parameter or module is registered anywhere, or the module converted."""
-        if self._projections is None or self._projections[0] != _registrations:
-            experts = self.deepspeed_experts
-            pairs = [e.projections() for e in experts]
-            self._projections = (_registrations, tuple(p[0] for p in pairs), tuple(p[1] for p in pairs),
-                                 type(experts[0]))
-        return self._projections[1:]
+        """(w1, w2, expert type) of the built-in experts, for the grouped GEMMs: w1 and w2 are G plain
+        tensors (no autograd) viewing the stacked parameters' slices. Cached while the parameters keep
+        their storage (the cache holds it, so a new storage never has the old address); DeepSpeed's
+        optimizers re-point ``param.data`` into their flat buffers, and a conversion makes new storage."""
+        W1, W2 = self.weight1, self.weight2
+        key = (W1.data_ptr(), W2.data_ptr(), W1.shape, W2.shape, W1.dtype)
+        if self._views is None or self._views[0] != key:
+            self._views = (key, tuple(ops.split_groups(W1)), tuple(ops.split_groups(W2)))
+        return self._views[1], self._views[2], self.expert_type
+
+    def _apply(self, fn, recurse=True):
+        self._views = None  # dropped before a conversion, so that the old storage can be freed
+        return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor, group_sizes_host: Sequence[int]) -> torch.Tensor:
         """Any expert module, in a per-expert loop: x [M, H] rows grouped by local expert (exact)."""
@@ -197,3 +203,21 @@ class GroupedExperts(nn.Module):
             out = expert(chunk)
             outs.append(out[0] if isinstance(out, tuple) else out)
         return torch.cat(outs) if outs else x.new_zeros(0, x.shape[1])
+
+
+def _per_expert_state_dict(module: GroupedExperts, state_dict, prefix, local_metadata):
+    """state_dict post-hook: each stacked weight as one entry per expert, under DeepSpeed's MoE names."""
+    for attr, name in zip(("weight1", "weight2"), module.checkpoint_names()):
+        W = state_dict.pop(prefix + attr)
+        for i in range(W.shape[0]):
+            state_dict[f"{prefix}deepspeed_experts.{i}.{name}"] = W[i]
+
+
+def _stack_per_expert_state_dict(module: GroupedExperts, state_dict, prefix, local_metadata, strict, missing_keys,
+                                 unexpected_keys, error_msgs):
+    """load_state_dict pre-hook: the per-expert entries of :func:`_per_expert_state_dict` stacked back. Where
+    some expert's entry is missing, none is stacked, and the load reports the keys as usual."""
+    for attr, name in zip(("weight1", "weight2"), module.checkpoint_names()):
+        keys = [f"{prefix}deepspeed_experts.{i}.{name}" for i in range(module.num_local_experts)]
+        if prefix + attr not in state_dict and all(k in state_dict for k in keys):
+            state_dict[prefix + attr] = torch.stack([state_dict.pop(k) for k in keys])

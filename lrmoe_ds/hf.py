@@ -165,9 +165,9 @@ def _build(spec: dict, ep_size: int) -> HFMoEBlock:
         gate.wg.weight.copy_(wg)
         if bias is not None:
             gate.score_bias = bias.to(device=gate.wg.weight.device, copy=True)  # the block's dtype (fp32)
-        for i, expert in enumerate(experts.deepspeed_experts):
-            expert.gate_up_proj.weight.copy_(gate_up[experts.first_global_expert + i])
-            expert.down_proj.weight.copy_(down[experts.first_global_expert + i])
+        first = experts.first_global_expert
+        experts.weight1.copy_(gate_up[first:first + experts.num_local_experts])
+        experts.weight2.copy_(down[first:first + experts.num_local_experts])
     return HFMoEBlock(moe, **spec["shared"], routed_scaling_factor=spec["routed_scaling_factor"]).train(spec["training"])
 
 

@@ -149,9 +149,9 @@ class LRMoE(MoE):
         if not self._retains():
             return BackwardSpec(), None
         policy, max_rows = self.memory_plan.policy, self.memory_plan.max_rows_per_rank
-        expert = self.deepspeed_moe.experts.deepspeed_experts[0]
-        ffn = expert.projections()[1].shape[1]  # the second projection is [H, F]
-        stash_bytes, backward_bytes = expert_row_bytes(self.hidden_size, ffn, expert.activation,
+        experts = self.deepspeed_moe.experts
+        ffn = experts.weight2.shape[2]  # the second projection is [G, H, F]
+        stash_bytes, backward_bytes = expert_row_bytes(self.hidden_size, ffn, experts.expert_type.activation,
                                                        torch.finfo(dtype).bits // 8)
 
         if self._retention_step_host is None:
@@ -187,10 +187,11 @@ class LRMoE(MoE):
         token = None
         if moe.experts.grouped:
             w1, w2, expert_type = moe.experts.projections()
+            stacked = (moe.experts.weight1, moe.experts.weight2)
             handoff = WeightGrads()
-            if torch.is_grad_enabled() and any(w.requires_grad for w in w1 + w2):
+            if torch.is_grad_enabled() and any(w.requires_grad for w in stacked):
                 # before the router, so that the weights' gradients reach autograd after its backward
-                token = apply_fast(ExpertWeights, handoff, *w1, *w2)
+                token = apply_fast(ExpertWeights, handoff, *stacked)
         routing = moe.gate(x)
         # the counts' host copy is started early only for a forward that will read it
         plan = moe.dispatcher.plan(routing.topk_index, routing.counts,
@@ -198,7 +199,7 @@ class LRMoE(MoE):
         if moe.experts.grouped:
             spec, plan_shares = self._backward_spec(plan, x.dtype)
             out = apply_fast(RoutedMLP, x, routing.topk_weight, token, plan, moe.dispatcher, expert_type, spec,
-                             w1, w2, handoff)
+                             w1, w2, stacked, handoff)
             if plan_shares is not None:
                 # Now that the forward's kernels are queued, the counts' early copy (one rank) has landed
                 # and the host plans the backward's quotas while the GPU runs the forward.

@@ -31,7 +31,7 @@ def _version_sum(tensors) -> int:
 
 
 class WeightGrads:
-    """Where RoutedMLP's backward leaves the expert weights' gradients for :class:`ExpertWeights`."""
+    """Where RoutedMLP's backward leaves the stacked expert weights' gradients for :class:`ExpertWeights`."""
     __slots__ = ("grads",)
 
     def __init__(self):
@@ -39,16 +39,13 @@ class WeightGrads:
 
 
 class ExpertWeights(torch.autograd.Function):
-    """The expert weights' one way into the autograd graph: a token made from all 2 E of them, which
+    """The expert weights' one way into the autograd graph: a token made from the stacked weights, which
     RoutedMLP takes in their place; RoutedMLP's backward leaves their gradients in ``handoff`` and this
     node hands them to autograd.
 
     Why: autograd runs a leaf's AccumulateGrad as soon as its gradient exists, before any other ready
-    node, at about 10 us of host time each (benchmarks/results/host_time_h200.md): 2.5 ms for 256
-    weights, during which the router's backward was not yet queued and the GPU could run dry. Made
-    before the router, this node runs after the router's backward, so that host work overlaps GPU
-    work already queued. The AccumulateGrad nodes themselves (and DeepSpeed's hooks on them) are the
-    same as when the weights were RoutedMLP's own inputs.
+    node, and DeepSpeed's optimizers hook it (ZeRO-2's reduction, for one). Made before the router, this
+    node runs after the router's backward is queued, so that this host work overlaps GPU work.
     """
 
     @staticmethod
@@ -65,13 +62,14 @@ class ExpertWeights(torch.autograd.Function):
 class RoutedMLP(torch.autograd.Function):
     """out [T, H] = sum_k topk_weight[t, k] * MLP_{e(t,k)}(x_t), over an expert-parallel group.
 
-    The expert weights come as plain arguments (w1, w2 tuples), not as autograd inputs: their gradients
-    go through ``handoff`` to the :class:`ExpertWeights` node that made ``weights_token`` (None where no
+    The expert weights come as plain arguments: w1, w2 tuples of per-expert tensors for the GEMMs, and
+    ``stacked`` (W1, W2), the parameters they view, not as autograd inputs: the stacked gradients go
+    through ``handoff`` to the :class:`ExpertWeights` node that made ``weights_token`` (None where no
     expert weight needs a gradient)."""
 
     @staticmethod
     def forward(ctx, x, topk_weight, weights_token, plan: DispatchPlan, dispatcher: AllToAllDispatcher,
-                expert_type, spec: BackwardSpec, w1, w2, handoff: WeightGrads):
+                expert_type, spec: BackwardSpec, w1, w2, stacked, handoff: WeightGrads):
         K = plan.row_of_pair.shape[1]
         rows = dispatcher.to_experts(ops.permute(x, plan.order // K), plan)
         h, y = mlp_forward(rows, w1, w2, expert_type, plan.group_sizes)
@@ -82,10 +80,11 @@ class RoutedMLP(torch.autograd.Function):
         x_norm = _row_norms(x) if spec.may_drop and spec.metric == "grad_norm" else None
         ctx.save_for_backward(None if stash else x, rows if stash else None, h if stash else None,
                               y_src if spec.router_grad == "exact" else None, topk_weight, x_norm)
-        # The weights are leaf parameters: kept on ctx, not saved, which spares 2 E saved-tensor packs and
-        # unpacks (host time) and keeps saved-tensor hooks (offload) to the activations. Their versions
-        # are summed instead, so that a weight changed in place before the backward is still an error.
-        ctx.w1, ctx.w2, ctx.weights_version, ctx.handoff = w1, w2, _version_sum(w1 + w2), handoff
+        # The weights are leaf parameters: kept on ctx, not saved, which keeps saved-tensor hooks (offload) to
+        # the activations. The stacked parameters' versions are summed instead (the per-expert views have
+        # counters of their own), so that a weight changed in place before the backward is still an error.
+        ctx.w1, ctx.w2, ctx.stacked, ctx.handoff = w1, w2, stacked, handoff
+        ctx.weights_version = _version_sum(stacked)
         ctx.plan, ctx.dispatcher, ctx.expert_type, ctx.spec = plan, dispatcher, expert_type, spec
         return out
 
@@ -93,7 +92,7 @@ class RoutedMLP(torch.autograd.Function):
     def backward(ctx, dout):
         x, rows, h, y_src, topk_weight, x_norm = ctx.saved_tensors
         plan, disp, spec, w1, w2 = ctx.plan, ctx.dispatcher, ctx.spec, ctx.w1, ctx.w2
-        if _version_sum(w1 + w2) != ctx.weights_version:
+        if _version_sum(ctx.stacked) != ctx.weights_version:
             raise RuntimeError("an expert weight of an LRMoE layer was modified by an inplace operation between "
                                "the forward and its backward (e.g. an optimizer step before the backward)")
         T, K = plan.row_of_pair.shape
@@ -159,5 +158,5 @@ class RoutedMLP(torch.autograd.Function):
         ones = torch.ones((T, K), dtype=dout.dtype, device=dout.device)
         dx = ops.unpermute(dx_src, row_of_pair, ones)
         if ctx.needs_input_grad[2]:
-            ctx.handoff.grads = (*dw1, *dw2)
-        return dx, d_weight, None, None, None, None, None, None, None, None
+            ctx.handoff.grads = (dw1, dw2)
+        return dx, d_weight, None, None, None, None, None, None, None, None, None

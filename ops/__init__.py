@@ -20,7 +20,7 @@ from . import reference
 
 __all__ = ["routing_plan", "permute", "unpermute", "unpermute_weight_grad", "swiglu", "swiglu_backward",
            "grouped_linear", "grouped_linear_dgrad",
-           "grouped_linear_wgrad", "topk_retention", "capacity_route", "router_topk", "router_topk_backward",
+           "grouped_linear_wgrad", "split_groups", "topk_retention", "capacity_route", "router_topk", "router_topk_backward",
            "set_default_backend",
            "cuda_ops_status", "BACKENDS"]
 
@@ -141,6 +141,12 @@ def grouped_linear_wgrad(dy: torch.Tensor, x: torch.Tensor, group_sizes: torch.T
                          backend: Optional[str] = None):
     """Segmented GEMM wgrad ``dW_g = dy_g^T x_g`` into G tensors [N, K] (``out``, optionally accumulated)."""
     return _select("grouped_linear_wgrad", backend, dy)(dy, x, group_sizes, out=out, accumulate=accumulate)
+
+
+def split_groups(buffer: torch.Tensor, backend: Optional[str] = None):
+    """G plain tensors (no autograd) viewing the groups of a contiguous buffer [G, ...]: how a stacked
+    [G, N, K] weight or gradient is handed to the grouped GEMMs, which take one tensor per group."""
+    return _select("split_groups", backend, buffer)(buffer)
 
 
 def topk_retention(scores: torch.Tensor, group_sizes: torch.Tensor, quotas: torch.Tensor,

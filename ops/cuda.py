@@ -209,3 +209,7 @@ def grouped_linear_wgrad(dy: torch.Tensor, x: torch.Tensor, group_sizes: torch.T
     load().grouped_gemm(_WGRAD, dy.contiguous(), x.contiguous(), out, _long_on(group_sizes, dy.device), None,
                         bool(accumulate))
     return list(out)
+
+
+def split_groups(buffer: torch.Tensor):
+    return load().split_groups(buffer.detach())

@@ -141,6 +141,11 @@ def grouped_linear_wgrad(dy: torch.Tensor, x: torch.Tensor, group_sizes: torch.T
     return list(out)
 
 
+def split_groups(buffer: torch.Tensor):
+    """G tensors viewing the groups of buffer [G, ...] (detached: no autograd)."""
+    return list(buffer.detach().unbind(0))
+
+
 def _check_groups(x, weights, group_sizes, dim):
     if len(weights) != group_sizes.numel():
         raise ValueError(f"{len(weights)} weights for {group_sizes.numel()} groups")

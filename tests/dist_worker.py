@@ -56,9 +56,13 @@ def local_state(full, ep_rank, ep_size):
     return out
 
 
-def global_name(name, ep_rank, ep_size):
-    m = EXPERT_KEY.match(name)
-    return name if not m else f"{m.group(1)}{int(m.group(2)) + ep_rank * (E // ep_size)}{m.group(3)}"
+def global_part(name, ref, ep_rank, ep_size):
+    """The part of the ep_size-1 model's parameter ``ref`` that an EP rank holds: its experts' slices of a
+    stacked expert weight (local expert g is global expert ep_rank * E_l + g), else all of it."""
+    if ".experts.weight" not in name:
+        return ref
+    El = E // ep_size
+    return ref[ep_rank * El:(ep_rank + 1) * El]
 
 
 def batches():
@@ -134,8 +138,8 @@ def run_train(args):
             worst_loss = max(worst_loss, abs(float(mean_loss) / dist.get_world_size() - ref_losses[step]))
             for name, p in engine.module.named_parameters():
                 grad = safe_get_full_grad(p)
-                ref_name = global_name(name, dist.get_rank() % ep_size, ep_size)
-                worst_grad = max(worst_grad, rel(grad, ref_grads[step][ref_name]))
+                ref_grad = global_part(name, ref_grads[step][name], dist.get_rank() % ep_size, ep_size)
+                worst_grad = max(worst_grad, rel(grad, ref_grad))
             engine.step()
         worst = torch.tensor([worst_loss, worst_grad])
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
@@ -219,7 +223,7 @@ def sampling_error(exact_grads, ratio, data, seeds=32):
     """Relative error of the expert gradients against the exact ones, the largest over both ranks' experts:
     of one sampled step, and of the mean over ``seeds`` sampling seeds (an unbiased estimate: about the
     first over sqrt(seeds))."""
-    names = [n for n in exact_grads if "deepspeed_experts" in n]
+    names = [n for n in exact_grads if ".experts.weight" in n]
     mean = {n: torch.zeros_like(exact_grads[n]) for n in names}
     for s in range(seeds):
         _, grads, _, _ = one_step_grads({"enabled": True, "retention_ratio": ratio, "seed": 100 + s}, data)
@@ -304,7 +308,7 @@ def run_hf(args):
     diffs = torch.tensor([float((out - ref).abs().max()),
                           rel(model.model.embed_tokens.weight.grad, ref_grad)])
     dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
-    local = [len(model.get_submodule(n).moe.deepspeed_moe.experts.deepspeed_experts) for n in names]
+    local = [model.get_submodule(n).moe.deepspeed_moe.experts.num_local_experts for n in names]
     return {"logits_max_diff": float(diffs[0]), "embed_grad_rel_diff": float(diffs[1]), "local_experts": local}
 
 

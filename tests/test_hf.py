@@ -90,10 +90,10 @@ def test_converted_model_matches_the_original(family, overrides):
         moe = model.get_submodule(name).moe
         assert torch.allclose(grads[f"{name}.moe.deepspeed_moe.gate.wg.weight"], ref_grads[f"{name}.gate.weight"],
                               rtol=1e-3, atol=1e-4)
+        experts = moe.deepspeed_moe.experts
         for e, (gu, dn) in enumerate(expert_grads_hf(ref_grads, name)):
-            expert = moe.deepspeed_moe.experts.deepspeed_experts[e]
-            assert torch.allclose(expert.gate_up_proj.weight.grad, gu, rtol=1e-3, atol=1e-4), (name, e)
-            assert torch.allclose(expert.down_proj.weight.grad, dn, rtol=1e-3, atol=1e-4), (name, e)
+            assert torch.allclose(experts.weight1.grad[e], gu, rtol=1e-3, atol=1e-4), (name, e)
+            assert torch.allclose(experts.weight2.grad[e], dn, rtol=1e-3, atol=1e-4), (name, e)
     assert aux_loss(model).ndim == 0 and float(aux_loss(model).detach()) > 0  # each block's load-balancing loss
 
 
@@ -163,7 +163,7 @@ def test_an_fp32_router_stays_fp32_beside_bf16_experts():
         convert_hf_moe(model)
         out = model(input_ids=ids).logits.float()
     gate = model.model.layers[0].mlp.moe.deepspeed_moe.gate
-    expert = model.model.layers[0].mlp.moe.deepspeed_moe.experts.deepspeed_experts[0]
+    experts = model.model.layers[0].mlp.moe.deepspeed_moe.experts
     assert gate.wg.weight.dtype == gate.score_bias.dtype == torch.float32
-    assert expert.gate_up_proj.weight.dtype == torch.bfloat16
+    assert experts.weight1.dtype == experts.weight2.dtype == torch.bfloat16
     assert float((out - ref).abs().max()) < 0.03 * float(ref.abs().max())  # bf16 rounding of the same routing

@@ -17,8 +17,15 @@ def rel(a, b):
 
 
 def expert_weights(layer):
-    experts = layer.deepspeed_moe.experts.deepspeed_experts
-    return [e.projections()[0] for e in experts], [e.projections()[1] for e in experts]
+    """Each expert's two weights, as views of the layer's stacked parameters."""
+    experts = layer.deepspeed_moe.experts
+    return list(experts.weight1.detach().unbind(0)), list(experts.weight2.detach().unbind(0))
+
+
+def expert_grads(layer):
+    """Each expert's two weight gradients (None where the stacked parameter got none)."""
+    experts = layer.deepspeed_moe.experts
+    return [[None] * W.shape[0] if W.grad is None else list(W.grad.unbind(0)) for W in (experts.weight1, experts.weight2)]
 
 
 def make_case(score_func, k, activation, seed, skewed=True, **kw):
@@ -60,11 +67,12 @@ def test_exact_matches_fp64_reference(score_func, k, activation, skewed):
     ((ref_out * proj).sum() + 0.3 * ref_aux).backward()
     assert rel(x.grad, x_ref.grad) < 1e-10
     assert rel(layer.deepspeed_moe.gate.wg.weight.grad, ref_params[0].grad) < 1e-10
-    for w, r in zip(w1s + w2s, ref_w1 + ref_w2):
+    g1, g2 = expert_grads(layer)
+    for g, r in zip(g1 + g2, ref_w1 + ref_w2):
         if r.grad is None:  # an expert with no token: no gradient at all, or an exact zero
-            assert w.grad is None or not w.grad.any()
+            assert g is None or not g.any()
         else:
-            assert rel(w.grad, r.grad) < 1e-10
+            assert rel(g, r.grad) < 1e-10
 
 
 def test_z_loss_and_selection_bias():
@@ -90,7 +98,10 @@ def test_one_expert_equals_dense_mlp():
     layer = lrmoe_ds.LRMoE(H, num_experts=1, k=1, ffn_hidden_size=F).double()
     x = torch.randn(3, 4, H, dtype=torch.float64)
     out, _, counts = layer(x)
-    dense = layer.deepspeed_moe.experts.deepspeed_experts[0]
+    dense = lrmoe_ds.SwiGLUExpert(H, F).double()
+    with torch.no_grad():
+        dense.gate_up_proj.weight.copy_(layer.deepspeed_moe.experts.weight1[0])
+        dense.down_proj.weight.copy_(layer.deepspeed_moe.experts.weight2[0])
     assert torch.allclose(out, dense(x), rtol=1e-12, atol=1e-12) and counts.tolist() == [12]
 
 
@@ -129,11 +140,20 @@ def test_built_in_experts_are_distinct_and_independent_of_ep_size():
     whole = lrmoe_ds.LRMoE(H, num_experts=4, k=2, ffn_hidden_size=F)
     torch.manual_seed(5)
     half = lrmoe_ds.LRMoE(H, num_experts=4, ep_size=2, k=2, ffn_hidden_size=F)  # EP rank 0: experts 0, 1
-    w = [e.gate_up_proj.weight for e in whole.deepspeed_moe.experts.deepspeed_experts]
+    w = whole.deepspeed_moe.experts.weight1
     assert not torch.equal(w[0], w[1]) and not torch.equal(w[0], w[2])
-    for mine, theirs in zip(half.deepspeed_moe.experts.deepspeed_experts, whole.deepspeed_moe.experts.deepspeed_experts):
-        assert torch.equal(mine.gate_up_proj.weight, theirs.gate_up_proj.weight)
-        assert torch.equal(mine.down_proj.weight, theirs.down_proj.weight)
+    mine, theirs = half.deepspeed_moe.experts, whole.deepspeed_moe.experts
+    assert torch.equal(mine.weight1, theirs.weight1[:2]) and torch.equal(mine.weight2, theirs.weight2[:2])
+    # each expert initialised as its own nn.Linear pair would be, from init_seed + its global index
+    # (the values the per-expert modules of earlier versions had)
+    torch.manual_seed(5)
+    lrmoe_ds.SwiGLUExpert(H, F)  # the layer builds its template expert first (nn.Linear's init draws)
+    seed = int(torch.randint(0, 2 ** 62, ()))
+    for e in range(4):
+        gen = torch.Generator().manual_seed(seed + e)
+        up = torch.empty(2 * F, H).uniform_(-H ** -0.5, H ** -0.5, generator=gen)
+        down = torch.empty(H, F).uniform_(-F ** -0.5, F ** -0.5, generator=gen)
+        assert torch.equal(theirs.weight1[e], up) and torch.equal(theirs.weight2[e], down)
     assert torch.equal(half.deepspeed_moe.gate.wg.weight, whole.deepspeed_moe.gate.wg.weight)
 
 
@@ -147,46 +167,68 @@ def test_no_tokens():
 
 
 def test_replaced_expert_weight_is_used():
-    # the layer caches its experts' weight lists: a weight or an expert replaced by assignment must be seen
+    # the layer caches its per-expert views of the stacked weights: a weight replaced by assignment, its
+    # storage re-pointed (as DeepSpeed's optimizers do with param.data) or converted must be seen
     layer, x = make_case("softmax", 2, "swiglu", seed=3, skewed=False)
+    experts = layer.deepspeed_moe.experts
     before = layer(x)[0]
-    experts = layer.deepspeed_moe.experts.deepspeed_experts
-    experts[1].down_proj.weight = torch.nn.Parameter(torch.zeros_like(experts[1].down_proj.weight))
-    experts[2] = lrmoe_ds.SwiGLUExpert(H, F).double()
-    torch.nn.init.zeros_(experts[2].down_proj.weight)
-    after = layer(x)[0]
-    w1, w2 = expert_weights(layer)
-    assert w2[1] is experts[1].down_proj.weight and w2[2] is experts[2].down_proj.weight
-    cached_w1, cached_w2, _ = layer.deepspeed_moe.experts.projections()
-    assert all(a is b for a, b in zip(cached_w1 + cached_w2, w1 + w2))
-    assert not torch.equal(before, after)
+    experts.weight2 = torch.nn.Parameter(torch.zeros_like(experts.weight2))
+    zero_down = layer(x)[0]
+    assert not torch.equal(before, zero_down) and not zero_down.any()
+    W = torch.randn_like(experts.weight1)
+    experts.weight1.data = W
+    w1, w2, _ = experts.projections()
+    assert all(v.data_ptr() == W[i].data_ptr() for i, v in enumerate(w1))
     # a conversion that replaces the Parameter objects themselves (torch.__future__'s overwrite mode)
     torch.__future__.set_overwrite_module_params_on_conversion(True)
     try:
         layer.float()
     finally:
         torch.__future__.set_overwrite_module_params_on_conversion(False)
-    w1, w2 = expert_weights(layer)
-    cached_w1, cached_w2, _ = layer.deepspeed_moe.experts.projections()
-    assert w1[0].dtype == torch.float32 and all(a is b for a, b in zip(cached_w1 + cached_w2, w1 + w2))
+    w1, w2, _ = experts.projections()
+    assert w1[0].dtype == torch.float32 and w1[0].data_ptr() == experts.weight1.data_ptr()
+    assert torch.equal(torch.stack(w1), experts.weight1) and torch.equal(torch.stack(w2), experts.weight2)
+
+
+def test_state_dict_names_each_expert_as_deepspeed_does():
+    """DeepSpeed's MoE checkpoint splits a layer's state by ``deepspeed_experts.<i>.`` into one file per
+    expert: the stacked weights are saved and loaded under those names."""
+    layer, _ = make_case("softmax", 2, "swiglu", seed=6, skewed=False)
+    state = layer.state_dict()
+    keys = [k for k in state if "experts" in k]
+    assert sorted(keys) == sorted(f"deepspeed_moe.experts.deepspeed_experts.{i}.{n}.weight"
+                                  for i in range(E) for n in ("gate_up_proj", "down_proj"))
+    assert torch.equal(state["deepspeed_moe.experts.deepspeed_experts.3.down_proj.weight"],
+                       layer.deepspeed_moe.experts.weight2[3])
+    torch.manual_seed(1)
+    other = lrmoe_ds.LRMoE(H, num_experts=E, k=2, ffn_hidden_size=F).double()
+    assert not torch.equal(other.deepspeed_moe.experts.weight1, layer.deepspeed_moe.experts.weight1)
+    other.load_state_dict({k: v.clone() for k, v in state.items()})
+    assert torch.equal(other.deepspeed_moe.experts.weight1, layer.deepspeed_moe.experts.weight1)
+    assert torch.equal(other.deepspeed_moe.experts.weight2, layer.deepspeed_moe.experts.weight2)
+    gelu = lrmoe_ds.LRMoE(H, num_experts=2, k=1, ffn_hidden_size=F, activation="gelu")
+    assert "deepspeed_moe.experts.deepspeed_experts.1.fc2.weight" in gelu.state_dict()
+    del state["deepspeed_moe.experts.deepspeed_experts.2.gate_up_proj.weight"]  # one expert's entry missing
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*experts.weight1(.|\n)*Unexpected key\(s\).*"
+                                           r"deepspeed_experts.0.gate_up_proj.weight"):
+        other.load_state_dict(state)
 
 
 def test_expert_weight_changed_before_backward_is_an_error():
     layer, x = make_case("softmax", 2, "swiglu", seed=4, skewed=False)
     out = layer(x.requires_grad_(True))[0]
     with torch.no_grad():
-        layer.deepspeed_moe.experts.deepspeed_experts[0].gate_up_proj.weight.mul_(2.0)
+        layer.deepspeed_moe.experts.weight1.mul_(2.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
 
 
 def test_expert_weight_gradients_reach_autograd_after_the_router_backward():
-    """The expert weights enter the graph through one node made before the router: their gradients are
-    accumulated (each through its own AccumulateGrad, so hooks such as DeepSpeed's fire once per weight
-    and step) after the router's, where autograd used to run all 2 E of them first. Frozen experts
-    get none and cost no node."""
+    """The stacked expert weights enter the graph through one node made before the router: their gradients
+    are accumulated (each through its own AccumulateGrad, so hooks such as DeepSpeed's fire once per weight
+    and step) after the router's. Frozen experts get none and cost no node."""
     layer, x = make_case("softmax", 2, "swiglu", seed=3, skewed=False)
-    w1, w2 = expert_weights(layer)
+    w1, w2 = [layer.deepspeed_moe.experts.weight1], [layer.deepspeed_moe.experts.weight2]
     order = []
     layer.deepspeed_moe.gate.wg.weight.register_post_accumulate_grad_hook(lambda p: order.append("router"))
     for i, w in enumerate(w1 + w2):
@@ -195,7 +237,7 @@ def test_expert_weight_gradients_reach_autograd_after_the_router_backward():
         layer.zero_grad(set_to_none=True)
         order.clear()
         layer(x.requires_grad_(True))[0].sum().backward()
-        assert order[0] == "router" and sorted(order[1:]) == list(range(2 * E)), order
+        assert order[0] == "router" and sorted(order[1:]) == [0, 1], order
     expected = [w.grad.clone() for w in w1 + w2]
     with torch.no_grad():
         out_no_grad = layer(x)[0]

@@ -28,9 +28,7 @@ def test_bf16_layer_matches_fp64_reference(backend, activation):
     x = torch.randn(T, H, device="cuda")
     xb = x.bfloat16().requires_grad_(True)
     out, aux, _ = layer(xb)
-    names = list(ref_w)
-    w1 = [ref_w[n] for n in names if "gate_up_proj" in n or "fc1" in n]
-    w2 = [ref_w[n] for n in names if "down_proj" in n or "fc2" in n]
+    w1, w2 = ref_w["deepspeed_moe.experts.weight1"], ref_w["deepspeed_moe.experts.weight2"]  # [E, N, K] each
     xr = xb.detach().double().cpu().requires_grad_(True)
     ref_out, _, _, _ = reference_moe(xr, ref_w["deepspeed_moe.gate.wg.weight"], w1, w2, K, activation)
     assert rel(out.cpu(), ref_out) < 1e-2

@@ -251,9 +251,9 @@ def reference_retained_grads(layer, x, proj, pairs, scale, router_grad="exact"):
     weighted by its scale; the router's gradient from every pair ("exact") or the selected ones."""
     xr = x.clone().requires_grad_(True)
     wg = layer.deepspeed_moe.gate.wg.weight.detach().clone().requires_grad_(True)
-    experts = layer.deepspeed_moe.experts.deepspeed_experts
-    w1s = [e.projections()[0].detach().clone().requires_grad_(True) for e in experts]
-    w2s = [e.projections()[1].detach().clone().requires_grad_(True) for e in experts]
+    experts = layer.deepspeed_moe.experts
+    w1s = [w.detach().clone().requires_grad_(True) for w in experts.weight1]
+    w2s = [w.detach().clone().requires_grad_(True) for w in experts.weight2]
     probs = (xr @ wg.t()).softmax(-1)
     idx = probs.detach().topk(K, -1).indices
     gates = probs.gather(1, idx)
@@ -270,8 +270,8 @@ def reference_retained_grads(layer, x, proj, pairs, scale, router_grad="exact"):
                 w = 1.0 if router_grad == "exact" else weight[p]
                 loss = loss + w * gates[t, j] * (y.detach() * proj[t]).sum()
     loss.backward()
-    per_expert = [w for pair in zip(w1s, w2s) for w in pair]   # layer.parameters() order
-    return xr.grad, [wg.grad] + [w.grad if w.grad is not None else torch.zeros_like(w) for w in per_expert]
+    stacked = [torch.stack([w.grad if w.grad is not None else torch.zeros_like(w) for w in ws]) for ws in (w1s, w2s)]
+    return xr.grad, [wg.grad] + stacked   # layer.parameters() order
 
 
 @pytest.mark.parametrize("policy,router_grad,selection",
