@@ -1,7 +1,7 @@
 # One device call for the layer: build the ops, the layer's op tests (GEMM, permute, unpermute, gate gradient,
 # swiglu) and the bf16 layer tests, the layer benchmark (exact and retention rows under stash and recompute:
-# layer_retention_h200.md), a profile of one shape with its Chrome traces (one .tar, so it comes back as one
-# file), and (TRAIN_STEPS > 0) a short train.py run on one GPU. Logs go to $OUT.
+# layer_retention_h200.md), the layer's host time at 256 tokens (host_time_h200.md), a profile of one
+# shape with its Chrome traces (one .tar, so it comes back as one file), and (TRAIN_STEPS > 0) a short train.py run on one GPU. Logs go to $OUT.
 # Usage (from the repo root, .whl carried):
 #   bash benchmarks/gpu_layer_run.sh  # BENCH_ARGS (e.g. "--shapes glm-4.5-air"), BENCH_TIMEOUT, PROFILE_ARGS, TRAIN_STEPS
 source benchmarks/gpu_setup.sh || exit 1
@@ -15,6 +15,9 @@ timeout 200 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/ops/test_g
 timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_layer.py ${BENCH_ARGS:-} --out $OUT/layer_retention_h200.md \
   > $OUT/bench_layer.log 2>&1; echo "bench rc=$?"
 grep -E "^\| (grouped|DeepSpeed|LRMoE)|^## " $OUT/layer_retention_h200.md | cut -d'|' -f1-5,7,9
+# the host's share at 256 tokens, where the GPU idles (the stacked expert weights' effect shows here)
+timeout 120 python3 benchmarks/host_time.py --shape qwen3-30b-a3b --tokens 256 --ratio 0.5 --out $OUT/host_time_h200.md \
+  > $OUT/host_time.log 2>&1; echo "host_time rc=$?"; grep -A5 "^| layer" $OUT/host_time_h200.md
 timeout ${PROFILE_TIMEOUT:-80} python3 benchmarks/profile_layer.py \
   ${PROFILE_ARGS:---shape qwen3-30b-a3b --tokens 8192 --policies stash recompute} --trace /tmp/traces \
   > $OUT/profile_layer.txt 2>&1; echo "profile rc=$?"; grep "per step" $OUT/profile_layer.txt
