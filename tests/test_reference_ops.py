@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from lrmoe_ds import ops
 from lrmoe_ds.ops import reference as ref
 
 
@@ -190,3 +191,13 @@ def test_router_topk_bad_input():
         ref.router_topk_backward(logits, index, torch.zeros(3, 1), None)
     with pytest.raises(ValueError, match=r"d_prob_sum must be \[E\] = \[4\]"):
         ref.router_topk_backward(logits, index, torch.zeros(3, 2), torch.zeros(5))
+
+
+def test_split_groups_views_each_group_without_autograd():
+    W = torch.randn(3, 4, 5, requires_grad=True)
+    parts = ops.split_groups(W, backend="torch")
+    assert len(parts) == 3 and all(not p.requires_grad for p in parts)
+    assert all(p.data_ptr() == W[i].data_ptr() and p.shape == (4, 5) for i, p in enumerate(parts))
+    with torch.no_grad():
+        W[1].fill_(7.0)
+    assert bool((parts[1] == 7.0).all()) and ops.split_groups(torch.empty(0, 2), backend="torch") == []
