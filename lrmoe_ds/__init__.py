@@ -10,10 +10,10 @@ Dimension letters used in docstrings throughout:
 from lrmoe_ds.balancing import ExpertBiasBalancer
 from lrmoe_ds.config import LRMoEConfig, parse_config
 from lrmoe_ds.experts import GELUExpert, SwiGLUExpert
-from lrmoe_ds.hf import convert_hf_moe
+from lrmoe_ds.hf import convert_hf_moe, hf_state_dict
 from lrmoe_ds.integration import configure_model, initialize, lrmoe_layers
 from lrmoe_ds.layer import LRMoE
 
 __all__ = ["LRMoE", "LRMoEConfig", "SwiGLUExpert", "GELUExpert", "initialize", "configure_model",
-           "lrmoe_layers", "parse_config", "convert_hf_moe", "ExpertBiasBalancer"]
+           "lrmoe_layers", "parse_config", "convert_hf_moe", "hf_state_dict", "ExpertBiasBalancer"]
 __version__ = "0.1.0"

@@ -14,8 +14,11 @@ first) and ``down_proj`` [E, H, F] and a SiLU activation, as transformers >= 5 l
 experts (and Qwen2-MoE's sigmoid gate on its one) are kept beside the layer. Anything else (another
 router, router jitter, biases, another activation, transformers 4's list of expert modules) is refused
 with the reason, not converted approximately.
+
+``hf_state_dict(model)`` goes back: the converted model's state under the replaced blocks' own names and
+layout, which ``save_pretrained(path, state_dict=...)`` writes for transformers to load unconverted.
 """
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -51,11 +54,12 @@ class HFMoEBlock(nn.Module):
 
     def __init__(self, moe: LRMoE, shared_expert: Optional[nn.Module] = None,
                  shared_expert_gate: Optional[nn.Module] = None, shared_experts: Optional[nn.Module] = None,
-                 routed_scaling_factor: float = 1.0):
+                 routed_scaling_factor: float = 1.0, experts_transposed: bool = False):
         super().__init__()
         if (shared_expert is None) != (shared_expert_gate is None):
             raise ValueError("shared_expert and shared_expert_gate come together")
         self.moe = moe
+        self.experts_transposed = experts_transposed  # the replaced block's experts were [E, H, 2F], [E, F, H]
         self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
         self.shared_experts = shared_experts
         self.routed_scaling_factor = float(routed_scaling_factor)
@@ -92,7 +96,7 @@ def _expert_weights(name: str, block: nn.Module) -> Tuple[torch.Tensor, torch.Te
         if getattr(experts, "has_post_expert_norm", False):
             raise _refuse(name, block, "its experts normalise their outputs")
         gate_up, down = experts.gate_up_proj, experts.down_proj
-        if getattr(experts, "is_transposed", False):
+        if _is_transposed(block):
             gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
         if not _is_silu(getattr(experts, "act_fn", None)):
             raise _refuse(name, block, f"its expert activation is {type(getattr(experts, 'act_fn', None)).__name__}, "
@@ -102,6 +106,10 @@ def _expert_weights(name: str, block: nn.Module) -> Tuple[torch.Tensor, torch.Te
         raise _refuse(name, block, "its experts are a list of modules (transformers 4's layout, whose blocks also "
                                    "return router logits); transformers >= 5 stacks them, which is what converts")
     raise _refuse(name, block, "its experts have no stacked gate_up_proj/down_proj")
+
+
+def _is_transposed(block: nn.Module) -> bool:
+    return bool(getattr(block.experts, "is_transposed", False))
 
 
 def _is_moe_block(block: nn.Module) -> bool:
@@ -148,7 +156,8 @@ def _block_spec(name: str, block: nn.Module) -> dict:
         scale = float(block.gate.routed_scaling_factor)
     return {"wg": wg, "gate_up": gate_up, "down": down, "top_k": top_k, "norm_topk_prob": norm,
             "score_func": router, "score_bias": bias, "routed_scaling_factor": scale, "groups": groups,
-            "training": block.training, "shared": {n: getattr(block, n) for n in shared_names}}
+            "training": block.training, "shared": {n: getattr(block, n) for n in shared_names},
+            "transposed": _is_transposed(block)}
 
 
 def _build(spec: dict, ep_size: int) -> HFMoEBlock:
@@ -168,7 +177,8 @@ def _build(spec: dict, ep_size: int) -> HFMoEBlock:
         first = experts.first_global_expert
         experts.weight1.copy_(gate_up[first:first + experts.num_local_experts])
         experts.weight2.copy_(down[first:first + experts.num_local_experts])
-    return HFMoEBlock(moe, **spec["shared"], routed_scaling_factor=spec["routed_scaling_factor"]).train(spec["training"])
+    return HFMoEBlock(moe, **spec["shared"], routed_scaling_factor=spec["routed_scaling_factor"],
+                      experts_transposed=spec["transposed"]).train(spec["training"])
 
 
 def convert_hf_moe(model: nn.Module, ep_size: int = 1) -> List[str]:
@@ -192,6 +202,41 @@ def convert_hf_moe(model: nn.Module, ep_size: int = 1) -> List[str]:
         new = _build(_block_spec(name, model.get_submodule(name)), ep_size)
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)  # the old block is freed
     return names
+
+
+def hf_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """``model.state_dict()`` under Hugging Face's own names: each converted block's entries as the block it
+    replaced held them (``gate.weight``, ``gate.e_score_correction_bias`` where it had one,
+    ``experts.gate_up_proj`` [E, 2F, H], ``experts.down_proj`` [E, H, F], its shared experts), so that
+    ``model.save_pretrained(path, state_dict=hf_state_dict(model))`` writes a checkpoint that transformers
+    loads into the unconverted model. With ep_size > 1 every expert is gathered from its EP rank: a
+    collective, to be called on every rank (the entries are the same on all)."""
+    state = model.state_dict()
+    for name, block in model.named_modules():
+        if not isinstance(block, HFMoEBlock):
+            continue
+        prefix = f"{name}." if name else ""
+        for key in [k for k in state if k.startswith(prefix + "moe.")]:
+            del state[key]
+        gate, experts = block.moe.deepspeed_moe.gate, block.moe.deepspeed_moe.experts
+        state[prefix + "gate.weight"] = gate.wg.weight.detach()
+        if gate.score_bias is not None:
+            state[prefix + "gate.e_score_correction_bias"] = gate.score_bias.detach()
+        gate_up, down = (_all_experts(W, block.moe) for W in (experts.weight1, experts.weight2))
+        if block.experts_transposed:
+            gate_up, down = gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
+        state[prefix + "experts.gate_up_proj"], state[prefix + "experts.down_proj"] = gate_up, down
+    return state
+
+
+def _all_experts(W: torch.Tensor, moe: LRMoE) -> torch.Tensor:
+    """[E, ...]: the local experts' stacked weight W [E_l, ...] of every EP rank, in global expert order."""
+    W = W.detach()
+    if moe.ep_size == 1:
+        return W
+    parts = [torch.empty_like(W) for _ in range(moe.ep_size)]
+    torch.distributed.all_gather(parts, W.contiguous(), group=moe.deepspeed_moe.dispatcher.ep_group)
+    return torch.cat(parts)
 
 
 def aux_loss(model: nn.Module) -> torch.Tensor:

@@ -293,6 +293,7 @@ def run_hf(args):
     the engine's logits and backward match the unconverted model's on every rank."""
     from test_hf import V, tiny
     model = tiny("qwen3")  # the same weights on both ranks (one seed)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
     ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(1 + dist.get_rank()))
     probe = torch.linspace(-1, 1, 2 * 12 * V).view(2, 12, V)
     ref = model(input_ids=ids).logits
@@ -309,7 +310,12 @@ def run_hf(args):
                           rel(model.model.embed_tokens.weight.grad, ref_grad)])
     dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
     local = [model.get_submodule(n).moe.deepspeed_moe.experts.num_local_experts for n in names]
-    return {"logits_max_diff": float(diffs[0]), "embed_grad_rel_diff": float(diffs[1]), "local_experts": local}
+    exported = lrmoe_ds.hf_state_dict(model)  # every expert gathered from its EP rank, on every rank
+    export_equal = torch.tensor(float(exported.keys() == original.keys() and
+                                      all(torch.equal(exported[k], original[k]) for k in original)))
+    dist.all_reduce(export_equal, op=dist.ReduceOp.MIN)
+    return {"logits_max_diff": float(diffs[0]), "embed_grad_rel_diff": float(diffs[1]), "local_experts": local,
+            "hf_state_dict_equal": bool(export_equal)}
 
 
 def main():

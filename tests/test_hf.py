@@ -136,6 +136,37 @@ def test_refuses_what_it_cannot_convert_exactly():
         convert_hf_moe(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "glm4", "deepseek_v3", "mixtral", "olmoe"])
+def test_hf_state_dict_is_the_original_models_and_loads_back(family, tmp_path):
+    """hf_state_dict gives the unconverted model's own entries (the same names, shapes, dtypes and, before any
+    training, values); after the LRMoE weights change, transformers loads it into a fresh unconverted model,
+    which then computes what the converted one does."""
+    model = tiny(family)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    convert_hf_moe(model)
+    exported = lrmoe_ds.hf_state_dict(model)
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], original[k]) and exported[k].dtype == original[k].dtype for k in original)
+    with torch.no_grad():  # as a training step would: every converted parameter moves
+        for layer in lrmoe_ds.lrmoe_layers(model):
+            for p in layer.parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.02)
+            if layer.deepspeed_moe.gate.score_bias is not None:
+                layer.deepspeed_moe.gate.score_bias.add_(0.1)
+    fresh = tiny(family)
+    fresh.load_state_dict(lrmoe_ds.hf_state_dict(model), strict=True)
+    ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours, theirs = model(input_ids=ids).logits, fresh(input_ids=ids).logits
+    assert not torch.allclose(theirs, tiny(family)(input_ids=ids).logits, atol=1e-3)  # the moved weights count
+    assert torch.allclose(ours, theirs, rtol=1e-4, atol=1e-4), float((ours - theirs).abs().max())
+    if family == "qwen3":  # through the files transformers writes and reads
+        model.save_pretrained(tmp_path, state_dict=lrmoe_ds.hf_state_dict(model))
+        with torch.no_grad():
+            loaded = type(fresh).from_pretrained(tmp_path)(input_ids=ids).logits
+        assert torch.equal(loaded, theirs)
+
+
 def test_transposed_expert_storage_converts_to_the_same_weights():
     """transformers marks experts stored as [E, H, 2F] / [E, F, H] with is_transposed."""
     import copy
@@ -146,10 +177,13 @@ def test_transposed_expert_storage_converts_to_the_same_weights():
         ex.gate_up_proj = torch.nn.Parameter(ex.gate_up_proj.detach().transpose(1, 2).contiguous())
         ex.down_proj = torch.nn.Parameter(ex.down_proj.detach().transpose(1, 2).contiguous())
         ex.is_transposed = True
+    stored = {k: v.clone() for k, v in flipped.state_dict().items()}
     convert_hf_moe(model)
     convert_hf_moe(flipped)
     for a, b in zip(lrmoe_ds.lrmoe_layers(model), lrmoe_ds.lrmoe_layers(flipped)):
         assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    exported = lrmoe_ds.hf_state_dict(flipped)  # and back to the transposed storage
+    assert exported.keys() == stored.keys() and all(torch.equal(exported[k], stored[k]) for k in stored)
 
 
 def test_an_fp32_router_stays_fp32_beside_bf16_experts():

@@ -65,6 +65,7 @@ def test_hf_model_converted_with_ep2_matches_the_original(tmp_path):
     result = json.loads(out.read_text())
     assert result["local_experts"] == [2, 2], result                  # 4 experts over 2 EP ranks
     assert result["logits_max_diff"] < 1e-4 and result["embed_grad_rel_diff"] < 1e-4, result
+    assert result["hf_state_dict_equal"], result                      # exported: the original model's entries
 
 
 def test_expert_bias_updates_from_the_counts_of_every_rank(tmp_path):
