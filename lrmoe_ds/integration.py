@@ -1,6 +1,7 @@
 """Connecting the "lrmoe" config block to a model and to DeepSpeed's engine."""
 import glob
 import os
+import time
 from typing import Any, Dict, List, Optional
 
 import deepspeed
@@ -81,10 +82,19 @@ def remove_cpu_allreduce_segments(port: Any = "*", addr: str = "*", rank: Any = 
 
 def shutdown() -> None:
     """Ends a distributed run in order: a barrier (no rank leaves while another still talks to it), this
-    rank's CPU all-reduce segment unlinked (every rank has mapped it by now), then gloo/NCCL torn down."""
+    rank's CPU all-reduce segment unlinked (every rank has mapped it by now), then gloo/NCCL torn down, and
+    a pause for the backends' worker threads.
+
+    Why the pause: a gloo worker thread drops its finished collective (and with it the last reference to a
+    Python-made tensor) a moment after the caller's wait returns. If Python is finalizing by then, the
+    thread's wait for the GIL ends it with pthread_exit inside C++ code that may not unwind, and the
+    process aborts ("terminate called without an active exception"; caught with a std::terminate
+    backtrace in ProcessGroupGloo::runLoop -> TensorImpl::decref_pyobject -> PyEval_AcquireThread: 2 of
+    about 190 two-rank test launches on a 2-core machine). destroy_process_group does not join those threads."""
     if not dist.is_initialized():
         return
     dist.barrier()
     remove_cpu_allreduce_segments(os.environ.get("MASTER_PORT", "*"), os.environ.get("MASTER_ADDR", "*"),
                                   dist.get_rank())
     dist.destroy_process_group()
+    time.sleep(0.25)
