@@ -135,7 +135,7 @@ size_t grouped_gemm(GemmPass pass, DType dtype, DType out_dtype, int64_t M, int6
     // wgrad (rows = the weight's, no ragged tile): ping-pong 128x128x64. LRMOE_GEMM_CONFIG (read per
     // call, for benchmarks and tests) forces: "coop" the cooperative kernel in every pass, "pingpong"
     // the cooperative kernel for forward and dgrad (wgrad as by default), "m64" the default.
-    const std::string cfg = std::getenv("LRMOE_GEMM_CONFIG") ? std::getenv("LRMOE_GEMM_CONFIG") : "auto";
+    const std::string cfg = env_or("LRMOE_GEMM_CONFIG", "auto");
     if (cfg != "auto" && cfg != "m64" && cfg != "coop" && cfg != "pingpong")
       throw std::invalid_argument("LRMOE_GEMM_CONFIG must be auto, m64, coop or pingpong, not '" + cfg + "'");
     const bool coop = cfg == "coop";

@@ -1,9 +1,18 @@
 // Shared by gemm.cu and the CUTLASS passes (gemm_*_bf16.cu), without the CUTLASS headers.
 #pragma once
 
+#include <cstdlib>
+#include <string>
+
 #include "device_utils.cuh"
 
 namespace lrmoe {
+
+// An environment variable's value, or ``fallback`` where it is unset (the GEMM's benchmark switches).
+inline std::string env_or(const char* name, const char* fallback) {
+  const char* value = std::getenv(name);
+  return value ? value : fallback;
+}
 
 constexpr int kPtrChunk = 256;  // group pointers passed per launch, as kernel parameters (2 KiB)
 struct PtrChunk {

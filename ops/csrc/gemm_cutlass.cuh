@@ -161,8 +161,8 @@ size_t run(GemmPass pass, int64_t M, int64_t N, int64_t K, int64_t G, const void
   // Tile order of the persistent scheduler (read per call, so benchmarks can compare):
   // LRMOE_GEMM_RASTER=m|n (default m: consecutive tiles walk down M and share the weight tile),
   // LRMOE_GEMM_SWIZZLE=1|2|4|8 (default 1).
-  const std::string raster = std::getenv("LRMOE_GEMM_RASTER") ? std::getenv("LRMOE_GEMM_RASTER") : "m";
-  const std::string swizzle = std::getenv("LRMOE_GEMM_SWIZZLE") ? std::getenv("LRMOE_GEMM_SWIZZLE") : "1";
+  const std::string raster = env_or("LRMOE_GEMM_RASTER", "m");
+  const std::string swizzle = env_or("LRMOE_GEMM_SWIZZLE", "1");
   if (raster != "m" && raster != "n")
     throw std::invalid_argument("LRMOE_GEMM_RASTER must be m or n, not '" + raster + "'");
   if (swizzle != "1" && swizzle != "2" && swizzle != "4" && swizzle != "8")
