@@ -181,6 +181,12 @@ class GroupedExperts(nn.Module):
         """(weight1's, weight2's) per-expert name under ``deepspeed_experts.<i>.``, e.g. gate_up_proj.weight."""
         return tuple(f"{name}.weight" for name in self.expert_type.projection_names)
 
+    def per_expert(self, stacked1: torch.Tensor, stacked2: torch.Tensor, prefix: str = ""):
+        """{DeepSpeed's per-expert name: slice} of two tensors laid out as weight1 and weight2 (the weights
+        themselves, or their gradients): ``{prefix}deepspeed_experts.<i>.<projection>.weight``."""
+        return {f"{prefix}deepspeed_experts.{i}.{name}": W[i]
+                for W, name in zip((stacked1, stacked2), self.checkpoint_names()) for i in range(W.shape[0])}
+
     def projections(self):
         """(w1, w2, expert type) of the built-in experts, for the grouped GEMMs: w1 and w2 are G plain
         tensors (no autograd) viewing the stacked parameters' slices. Cached while the parameters keep
@@ -207,10 +213,7 @@ class GroupedExperts(nn.Module):
 
 def _per_expert_state_dict(module: GroupedExperts, state_dict, prefix, local_metadata):
     """state_dict post-hook: each stacked weight as one entry per expert, under DeepSpeed's MoE names."""
-    for attr, name in zip(("weight1", "weight2"), module.checkpoint_names()):
-        W = state_dict.pop(prefix + attr)
-        for i in range(W.shape[0]):
-            state_dict[f"{prefix}deepspeed_experts.{i}.{name}"] = W[i]
+    state_dict.update(module.per_expert(state_dict.pop(prefix + "weight1"), state_dict.pop(prefix + "weight2"), prefix))
 
 
 def _stack_per_expert_state_dict(module: GroupedExperts, state_dict, prefix, local_metadata, strict, missing_keys,

@@ -49,9 +49,7 @@ def test_matches_deepspeed_moe(activation):
     torch.testing.assert_close(x_ours.grad, x_theirs.grad, rtol=1e-5, atol=1e-6)
     ours_grads = {n: p.grad for n, p in ours.named_parameters()}
     experts = ours.deepspeed_moe.experts  # stacked: each expert's slice under DeepSpeed's name
-    for W, name in zip((experts.weight1, experts.weight2), experts.checkpoint_names()):
-        for i in range(E):
-            ours_grads[f"deepspeed_moe.experts.deepspeed_experts.{i}.{name}"] = W.grad[i]
+    ours_grads.update(experts.per_expert(experts.weight1.grad, experts.weight2.grad, "deepspeed_moe.experts."))
     for name, p in theirs.named_parameters():
         assert ours_grads[name] is not None, name
         torch.testing.assert_close(ours_grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
