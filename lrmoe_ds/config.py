@@ -64,6 +64,20 @@ class LRMoEConfig(DeepSpeedConfigModel):
     """When pairs are dropped, no expert-parallel rank retains more than this times the mean
     retained rows per rank: its hottest experts are capped further."""
 
+    replica_slots: int = Field(0, ge=0)
+    """Spare expert slots per expert-parallel rank for replicas of the hottest experts in the backward
+    (DESIGN.md steps 8 and 11; ep_size > 1 and the "recompute" policy, where a retained row carries its
+    input and can run on any instance of its expert). Each step the planner levels the retained rows per
+    rank: part of the most loaded rank's hottest expert runs on a replica at the least loaded rank, a
+    token's rows go to the instance on its own rank first, and the replicas' weights are fetched from
+    their homes in the backward and their gradients summed back into the home expert's. 0: off."""
+
+    replica_min_rows: int = Field(1024, ge=1)
+    """A replica is placed only where it takes at least this many retained rows. Why 1024: a replica's
+    weights out and gradient back are 12 H F bytes (bf16), the backward of one recomputed row is 16 H F
+    FLOPs, so at the H200's ~600 TFLOP/s and ~450 GB/s of NVLink per direction the transfer costs about
+    as much time as 0.75 * 600e12 / 450e9 = 1000 rows, whatever the shape. Across nodes, raise it."""
+
     policy: Literal["auto", "stash", "recompute"] = "auto"
     """What the forward keeps for the expert backward: "stash" (expert inputs and pre-activations of
     every pair), "recompute" (nothing per pair; the backward recomputes the retained pairs alone), or

@@ -214,15 +214,17 @@ class AllToAllDispatcher:
                             group_sizes_host.to(device), HostCopy(all_counts), group_sizes_host.tolist())
 
     def _regroup_for(self, counts: torch.Tensor, device):
-        """counts [R, E_l] host (rows from each rank to each local expert) -> received order -> grouped."""
-        El, R = self.num_local_experts, self.ep_size
+        """counts [R, G] host (rows from each rank to each local group) -> received order -> grouped."""
+        R, El = counts.shape
         group_of_row = to_device(torch.repeat_interleave(torch.arange(El).repeat(R), counts.reshape(-1)), device)
         _, regroup, _ = ops.routing_plan(group_of_row, El)
         return regroup, _inverse_permutation(regroup)
 
     def compact(self, shares: torch.Tensor, device) -> CompactPlan:
-        """shares [R, E] host: retained pairs from each rank to each expert -> the backward's CompactPlan."""
-        El, R = self.num_local_experts, self.ep_size
+        """shares [R, R * G] host: retained pairs from each rank to each group slot (G = E_l, the local experts;
+        or E_l plus replica slots, :class:`~lrmoe_ds.placement.ReplicaPlan`) -> the backward's CompactPlan."""
+        R = self.ep_size
+        El = shares.shape[1] // R
         if R == 1:
             sizes = shares[0].tolist()
             return CompactPlan([sum(sizes)], [sum(sizes)], None, None, to_device(shares[0], device), sizes)
@@ -262,6 +264,27 @@ class AllToAllDispatcher:
         src = to_device(torch.repeat_interleave(torch.arange(R), torch.tensor(compact.recv_splits)), dev)
         grouped = plan.regroup_inverse.index_select(0, recv_start[src] + offset)
         return grouped.index_select(0, compact.regroup)
+
+    def fetch_replicas(self, stacked, exchange) -> List[torch.Tensor]:
+        """The weights of this rank's replica slots from their home ranks, ``exchange`` being this rank's
+        :meth:`~lrmoe_ds.placement.ReplicaPlan.weight_exchange`: for each stacked weight [E_l, ...], [n, ...]
+        in its receive order (one all-to-all for all of them)."""
+        send, send_splits, recv_splits, _ = exchange
+        index = torch.tensor(send, dtype=torch.long, device=stacked[0].device)
+        flat = torch.cat([W.detach().index_select(0, index).flatten(1) for W in stacked], 1)
+        got = _all_to_all(flat, recv_splits, send_splits, self.ep_group)
+        sizes = [W[0].numel() for W in stacked]
+        return [part.view(-1, *W.shape[1:]) for part, W in zip(got.split(sizes, 1), stacked)]
+
+    def return_replica_grads(self, grads, exchange, into) -> None:
+        """The reverse of :meth:`fetch_replicas` for the replicas' gradients ``grads`` (receive order): each is
+        added into its home expert's slice of ``into`` (stacked gradients [E_l, ...]), in a fixed order."""
+        send, send_splits, recv_splits, _ = exchange
+        flat = torch.cat([g.flatten(1) for g in grads], 1)
+        back = _all_to_all(flat, send_splits, recv_splits, self.ep_group)
+        for part, dW in zip(back.split([g[0].numel() for g in into], 1), into):
+            for row, e in zip(part, send):  # an expert may have replicas on several ranks: summed in rank order
+                dW[e] += row.view_as(dW[e])
 
     def dispatch(self, x: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         """x [T, H] -> rows [M, H] grouped by local expert."""

@@ -18,6 +18,7 @@ from lrmoe_ds.autograd import apply_fast
 from lrmoe_ds.config import LRMoEConfig
 from lrmoe_ds.dispatcher import AllToAllDispatcher, DispatchPlan
 from lrmoe_ds.experts import EXPERT_TYPES, GroupedExperts
+from lrmoe_ds.placement import plan_with_replicas
 from lrmoe_ds.pipeline import ExpertWeights, RoutedMLP, WeightGrads
 from lrmoe_ds.quotas import MemoryPlan, RetentionStats, expert_row_bytes, plan_quotas, rank_shares
 from lrmoe_ds.retention import BackwardSpec
@@ -142,7 +143,7 @@ class LRMoE(MoE):
         return self.lrmoe_config.enabled and self.training and torch.is_grad_enabled()
 
     def _backward_spec(self, plan: DispatchPlan, dtype: torch.dtype):
-        """(the backward's settings, a function that plans its quotas and shares or None): the plan comes
+        """(the backward's settings, a function that fills in its quotas' shares and replicas, or None): the plan comes
         from the global counts (the same on every rank), so on one rank it makes the layer's one host
         read; the caller runs it once the forward's kernels are queued (see forward)."""
         cfg = self.lrmoe_config
@@ -158,22 +159,36 @@ class LRMoE(MoE):
             self._retention_step_host = int(self.retention_step)
         ratio = cfg.retention_at(self._retention_step_host if self.optimizer_step is None else self.optimizer_step)
 
-        def plan_shares() -> Optional[torch.Tensor]:
+        R = self.ep_size
+        # replicas can take a retained row only where it carries its input (recompute): a stash stays at home
+        replicas = cfg.replica_slots > 0 and R > 1 and policy == "recompute"
+
+        def plan_backward(spec: BackwardSpec) -> None:
             n = plan.all_counts.sum(0)
-            quotas = plan_quotas(n, ratio, self.ep_size, cfg.floor, cfg.balance_factor, max_rows, cfg.quota_allocation)
-            R = self.ep_size
-            self.last_stats = RetentionStats(n, quotas, n.view(R, -1).sum(1), quotas.view(R, -1).sum(1), policy,
-                                             stash_bytes, backward_bytes)
-            return None if torch.equal(quotas, n) else rank_shares(quotas, plan.all_counts)
+            placed = None
+            if replicas:
+                quotas, shares, placed = plan_with_replicas(n, plan.all_counts, cfg.replica_slots, ratio, cfg.floor,
+                                                            cfg.balance_factor, max_rows, cfg.quota_allocation,
+                                                            cfg.replica_min_rows)
+            else:
+                quotas = plan_quotas(n, ratio, R, cfg.floor, cfg.balance_factor, max_rows, cfg.quota_allocation)
+            retained = quotas.view(R, -1).sum(1) if placed is None else placed.retained_per_rank()
+            self.last_stats = RetentionStats(n, quotas, n.view(R, -1).sum(1), retained, policy, stash_bytes,
+                                             backward_bytes, 0 if placed is None else placed.replica_rows())
+            if placed is not None:
+                spec.shares, spec.replicas = shares, placed
+            elif not torch.equal(quotas, n):
+                spec.shares = rank_shares(quotas, plan.all_counts)
 
         rank = dist.get_rank() if dist.is_initialized() else 0  # every rank samples its own pairs
         key = f"{cfg.seed}/{self.layer_number}/{self._retention_step_host}/{rank}".encode()
         seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
         self.last_selection = {} if self.keep_last_selection else None
-        # ratio 1 without a row cap keeps every pair (the floor only raises quotas): x's norms are not needed
-        may_drop = ratio < 1.0 or max_rows is not None
+        # ratio 1 without a row cap keeps every pair (the floor only raises quotas): x's norms are not needed.
+        # (Replicas route even then: their selection keeps every pair, weight 1, whatever the metric.)
+        may_drop = ratio < 1.0 or max_rows is not None or replicas
         return BackwardSpec(policy, cfg.router_grad, None, may_drop, cfg.metric, cfg.selection, cfg.rescale, seed,
-                            self.last_selection), plan_shares
+                            self.last_selection), plan_backward
 
     def forward(self, hidden_states: torch.Tensor,
                 used_token: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -197,13 +212,13 @@ class LRMoE(MoE):
         plan = moe.dispatcher.plan(routing.topk_index, routing.counts,
                                    early_counts=not moe.experts.grouped or self._retains())
         if moe.experts.grouped:
-            spec, plan_shares = self._backward_spec(plan, x.dtype)
+            spec, plan_backward = self._backward_spec(plan, x.dtype)
             out = apply_fast(RoutedMLP, x, routing.topk_weight, token, plan, moe.dispatcher, expert_type, spec,
                              w1, w2, stacked, handoff)
-            if plan_shares is not None:
+            if plan_backward is not None:
                 # Now that the forward's kernels are queued, the counts' early copy (one rank) has landed
                 # and the host plans the backward's quotas while the GPU runs the forward.
-                spec.shares = plan_shares()
+                plan_backward(spec)
         else:
             rows = moe.dispatcher.dispatch(x, plan)
             out = moe.dispatcher.combine(moe.experts(rows, plan.group_sizes_host), routing.topk_weight, plan)

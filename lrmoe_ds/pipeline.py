@@ -6,6 +6,8 @@ backward, at each token's own rank: the metric of its pairs, the quota-aware sel
 share of each expert's quota, known from the forward's counts); then only the retained rows travel
 (dy, plus x under "recompute", or their stash positions under "stash"); the experts run the grouped
 backward over the compacted groups; dx comes back for the retained rows and is summed per token.
+With replicas (lrmoe_ds.placement) the retained rows go to the group slot that runs them instead, and
+the replicas' weights and gradients travel to and from their homes.
 Dropped pairs give no expert weight gradient and no expert-path term in dx; the router's gradient is
 exact (from the saved expert outputs) or from the retained pairs alone.
 """
@@ -28,6 +30,15 @@ def _row_norms(t: torch.Tensor) -> torch.Tensor:
 
 def _version_sum(tensors) -> int:
     return sum(t._version for t in tensors)
+
+
+def _with_replicas(weights, fetched, replica_slots, num_slots: int):
+    """The local experts' weights followed by one per replica slot: ``fetched`` in ``replica_slots``, an
+    empty slot filled with any weight (its group has no rows)."""
+    slots = list(weights) + [weights[0]] * num_slots
+    for w, s in zip(fetched, replica_slots):
+        slots[len(weights) + s] = w
+    return slots
 
 
 class WeightGrads:
@@ -106,20 +117,30 @@ class RoutedMLP(torch.autograd.Function):
 
         kept = kept_pairs = None
         splits, gate, row_weight = plan, weight_of_row, weight_of_row   # gate g_p and dy's weight, per send row
-        shares = spec.shares
+        shares, replicas = spec.shares, spec.replicas
+        if replicas is not None and spec.policy != "recompute":
+            raise RuntimeError("replicas run retained rows under the recompute policy only (a stash stays at home)")
         if shares is not None:
             rank = _rank(disp)
             dout_norm = _row_norms(dout) if spec.metric == "grad_norm" else None
             metric = pair_metric(spec.metric, weight_of_row,
                                  None if dout_norm is None else dout_norm.index_select(0, src),
                                  None if x_norm is None else x_norm.index_select(0, src))
-            splits = disp.compact(shares, dout.device)
             if disp.ep_size == 1:  # this rank's counts and quotas are on the device already: no more copies
+                splits = disp.compact(shares, dout.device)
                 sizes, quotas = plan.group_sizes, splits.group_sizes
             else:
                 sizes, quotas = to_device(plan.all_counts[rank], dout.device), to_device(shares[rank], dout.device)
             kept, scale, _ = select_retained(metric, sizes, quotas, spec.selection, spec.seed,
                                              num_kept=int(shares[rank].sum()))
+            if replicas is not None:
+                # retained rows by the group slot (home expert or replica) that runs them, in send order
+                slot = replicas.slot_of_rows(rank, kept.numel(), dout.device)
+                _, by_slot, _ = ops.routing_plan(slot, replicas.counts.shape[1])
+                kept, scale = kept.index_select(0, by_slot), scale.index_select(0, by_slot)
+                splits = disp.compact(replicas.counts, dout.device)
+            elif disp.ep_size > 1:
+                splits = disp.compact(shares, dout.device)
             kept_pairs = plan.order.index_select(0, kept)
             gate = row_weight = weight_of_row.index_select(0, kept)
             if spec.rescale:
@@ -138,7 +159,15 @@ class RoutedMLP(torch.autograd.Function):
         want_y = want_router and spec.router_grad == "retained"
         handed = BackwardRows(disp.to_experts(dy, splits), rows, h)
         del dy, rows, h                                                 # mlp_backward frees them as it goes
+        if replicas is not None:  # the replica slots' weights from their homes
+            exchange, El, S = replicas.weight_exchange(rank), len(w1), replicas.replica_expert.shape[1]
+            fetched1, fetched2 = disp.fetch_replicas(ctx.stacked, exchange)
+            w1, w2 = _with_replicas(w1, fetched1, exchange[3], S), _with_replicas(w2, fetched2, exchange[3], S)
         dx_rows, dw1, dw2, y_dot_dy = mlp_backward(handed, w1, w2, ctx.expert_type, splits.group_sizes, want_y)
+        if replicas is not None:  # their gradients summed into the home experts'
+            slots = [El + s for s in exchange[3]]
+            dw1, dw2, replica_grads = dw1[:El], dw2[:El], (dw1[slots], dw2[slots])
+            disp.return_replica_grads(replica_grads, exchange, (dw1, dw2))
 
         if want_y:
             # <y_p, dy_p> = g_p w_p <y_p, dout_t>: divided by g_p, the retained pair's weighted gate gradient

@@ -217,6 +217,8 @@ class MemoryPlanner:
             if s is not None:
                 n, q = s.counts.double(), torch.minimum(s.quotas.double(), s.counts.double())
                 events.append((f"{tag}/retention", float(q.sum() / n.sum()) if n.sum() > 0 else 1.0, step))
+                if s.replica_rows:
+                    events.append((f"{tag}/replica_rows", float(s.replica_rows), step))
             events.append((f"{tag}/policy_recompute", float(plan.policy == "recompute"), step))
             if plan.max_rows_per_rank is not None:
                 events.append((f"{tag}/max_rows_per_rank", float(plan.max_rows_per_rank), step))

@@ -4,6 +4,7 @@ Made in the forward from the global counts n_e (known on every rank after the di
 all-gather), so every rank computes the same quotas and shares without more communication; the
 backward's compacted all-to-all sizes follow from them.
 """
+import math
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -86,7 +87,7 @@ def plan_quotas(counts: torch.Tensor, retention_ratio: float = 1.0, ep_size: int
         caps = [max_rows_per_rank] * ep_size
     if not torch.equal(q, n) and ep_size > 1:
         mean = float(per_rank.sum()) / ep_size
-        caps = [min(c, int(balance_factor * mean)) for c in caps]
+        caps = [min(c, math.floor(balance_factor * mean)) if math.isfinite(balance_factor) else c for c in caps]
     for r, cap in enumerate(caps):
         if int(per_rank[r].sum()) > cap:
             per_rank[r] = cut(per_rank[r], int(cap))
@@ -125,6 +126,7 @@ class RetentionStats:
     rows_per_rank / retained_per_rank [R]: routed / retained rows at each expert-parallel rank.
     policy: the activation policy used.  stash_bytes_per_row: what "stash" keeps per routed row.
     backward_bytes_per_row: the expert backward's buffers per retained row (under this policy).
+    replica_rows: retained rows that run on replicas (``replica_slots``), over all ranks.
     """
     counts: torch.Tensor
     quotas: torch.Tensor
@@ -133,6 +135,7 @@ class RetentionStats:
     policy: str
     stash_bytes_per_row: int
     backward_bytes_per_row: int
+    replica_rows: int = 0
 
 
 def expert_row_bytes(hidden: int, ffn: int, activation: str, element_size: int):

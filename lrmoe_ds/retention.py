@@ -12,6 +12,7 @@ from typing import Literal, Optional
 import torch
 
 from lrmoe_ds import ops
+from lrmoe_ds.placement import ReplicaPlan
 
 Metric = Literal["grad_norm", "gate", "uniform"]
 Selection = Literal["priority_sampling", "topk"]
@@ -27,6 +28,7 @@ class BackwardSpec:
     may_drop: whether the quotas can drop a pair (the forward then keeps ||x_t|| for the metric).
     metric, selection, rescale, seed: the sampling (the seed differs per layer, step and rank).
     record: a dict the backward fills with its selection (``kept``, ``scale``, ``pairs``), or None.
+    replicas: where the retained rows run when some run on replicas (set with ``shares``), or None: at home.
     """
     policy: str = "stash"
     router_grad: str = "exact"
@@ -37,6 +39,7 @@ class BackwardSpec:
     rescale: bool = True
     seed: int = 0
     record: Optional[dict] = None
+    replicas: Optional[ReplicaPlan] = None
 
 
 def pair_metric(metric: Metric, gate: torch.Tensor, dout_norm: Optional[torch.Tensor],

@@ -216,6 +216,32 @@ def run_retention_ep2(data):
     out["a2a_bytes"] = {"exact_forward": bytes0[0], "exact_backward": bytes0[1],
                         "half_stash_backward": bytes_s[1], "half_recompute_backward": half["recompute"][2][1]}
     out["unbiased"] = {str(ratio): sampling_error(grads0, ratio, data) for ratio in (0.5, 0.3)}
+    out["replicas"] = run_replicas(data, grads0)
+    return out
+
+
+def run_replicas(data, exact_grads):
+    """replica_slots 1 under recompute: the retained rows are spread over the experts' instances, and the
+    gradients are those of the same selection run at home (the replicas' summed back into their homes)."""
+    out = {}
+    for ratio, router_grad in ((0.5, "exact"), (1.0, "exact"), (0.5, "retained")):
+        # proportional quotas keep this batch's skew between the ranks (18 and 42 rows) at 0.5 too
+        cfg = {"enabled": True, "retention_ratio": ratio, "policy": "recompute", "seed": 3, "balance_factor": 100.0,
+               "quota_allocation": "proportional", "router_grad": router_grad}
+        _, home, home_bytes, engine = one_step_grads(cfg, data)
+        at_home = engine.module.moe.last_stats
+        _, spread, spread_bytes, engine = one_step_grads({**cfg, "replica_slots": 1, "replica_min_rows": 1}, data)
+        stats = engine.module.moe.last_stats
+        # each rank's own experts' gradients: the largest difference over both ranks
+        diffs = torch.tensor([max(rel(spread[n], home[n]) for n in home),
+                              max(rel(spread[n], exact_grads[n]) for n in home)])
+        dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
+        out[f"{ratio}_{router_grad}"] = {
+            "grad_rel_diff": float(diffs[0]), "vs_exact": float(diffs[1]) if ratio == 1.0 else None,
+            "retained_per_rank_home": at_home.retained_per_rank.tolist(),
+            "retained_per_rank": stats.retained_per_rank.tolist(), "replica_rows": stats.replica_rows,
+            "quotas_equal": torch.equal(stats.quotas, at_home.quotas),
+            "backward_bytes": [home_bytes[1], spread_bytes[1]]}
     return out
 
 

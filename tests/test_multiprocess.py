@@ -37,6 +37,12 @@ def test_multi_rank_matches_single_process(tmp_path):
     for ratio, err in ep2["unbiased"].items():  # over 2 ranks the sampled gradient averages to the exact one
         assert err["one_sample"] > 0.02, (ratio, err)                  # one sample really drops pairs...
         assert err["mean"] < 0.35 * err["one_sample"], (ratio, err)     # ...and the mean converges (1/sqrt(32) = 0.18)
+    for run, rep in ep2["replicas"].items():  # replica_slots 1: the retained rows leveled over the ranks
+        assert rep["quotas_equal"] and rep["replica_rows"] > 0, (run, rep)
+        home, spread = rep["retained_per_rank_home"], rep["retained_per_rank"]
+        assert sum(spread) == sum(home) and max(spread) - min(spread) <= 1 < max(home) - min(home), (run, rep)
+        assert rep["grad_rel_diff"] < 1e-5, (run, rep)       # the same selection's gradients, summed elsewhere
+    assert ep2["replicas"]["1.0_exact"]["vs_exact"] < 1e-5, ep2["replicas"]
     assert result["empty_rank"] == {"loss_finite": True, "experts_idle_per_rank": [0.0, 1.0]}, result["empty_rank"]
 
 

@@ -142,10 +142,13 @@ def test_monitor_events_names_and_values():
     assert events["lrmoe/layer0/retention"] == pytest.approx(0.8) and events["lrmoe/layer1/retention"] == 0.8
     assert events["lrmoe/layer0/policy_recompute"] == 1.0
     assert "lrmoe/layer0/max_rows_per_rank" not in events
+    assert "lrmoe/layer0/replica_rows" not in events                 # written only where replicas ran rows
     acc.peak = 600 * MB
+    layers[1].last_stats.replica_rows = 120
     planner.on_step(2)
     events = monitor.named(step=2)
     assert events["lrmoe/layer1/max_rows_per_rank"] == layers[1].memory_plan.max_rows_per_rank
+    assert events["lrmoe/layer1/replica_rows"] == 120.0 and "lrmoe/layer0/replica_rows" not in events
     assert not any("expert" in name for name in monitor.named())
     assert all(step in (1, 2) for _, _, step in monitor.events)
 
