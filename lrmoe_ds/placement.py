@@ -163,22 +163,25 @@ def route_counts(shares: torch.Tensor, replica_expert: torch.Tensor, capacity: t
     """
     R, G = capacity.shape
     El = G - replica_expert.shape[1]
-    sh = shares.detach().long().cpu().tolist()
-    counts = [[0] * (R * G) for _ in range(R)]
+    shares = shares.detach().long().cpu()
     cap = capacity.reshape(-1).tolist()
     replicas_of = {}
     for d, experts in enumerate(replica_expert.tolist()):
         for s, e in enumerate(experts):
             if e >= 0:
                 replicas_of.setdefault(e, []).append(d * G + El + s)
-    for e in range(R * El):
+    # experts with one instance (most of them): every row at home, as whole columns
+    home_slot = (torch.arange(R * El) // El) * G + torch.arange(R * El) % El
+    over = [e for e in (shares.sum(0) > capacity.reshape(-1)[home_slot]).nonzero().flatten().tolist()
+            if e not in replicas_of]
+    if over:
+        raise ValueError(f"route_counts: expert {over[0]} has more retained rows than its one instance's capacity")
+    out = torch.zeros(R, R * G, dtype=torch.long)
+    out[:, home_slot] = shares.index_fill(1, torch.tensor(sorted(replicas_of), dtype=torch.long), 0)
+    sh = shares.tolist()
+    counts = {}  # (source rank, slot) -> rows, for the experts with replicas
+    for e in sorted(replicas_of):
         home = (e // El) * G + e % El
-        if e not in replicas_of:  # one instance: every row at home, within its capacity
-            if sum(sh[r][e] for r in range(R)) > cap[home]:
-                raise ValueError(f"route_counts: expert {e} has more retained rows than its one instance's capacity")
-            for r in range(R):
-                counts[r][home] = sh[r][e]
-            continue
         insts = sorted([home] + replicas_of[e])
         local_of = {i // G: i for i in insts}  # at most one instance of an expert per rank
         spare = {i: cap[i] for i in insts}
@@ -187,7 +190,7 @@ def route_counts(shares: torch.Tensor, replica_expert: torch.Tensor, capacity: t
             n, i = sh[r][e], local_of.get(r)
             take = 0 if i is None else min(spare[i], n)
             if take:
-                counts[r][i] += take
+                counts[r, i] = counts.get((r, i), 0) + take
                 spare[i] -= take
             left.append(n - take)
         takes = _fill([spare[i] for i in insts], sum(left))
@@ -202,10 +205,13 @@ def route_counts(shares: torch.Tensor, replica_expert: torch.Tensor, capacity: t
                     r += 1
                     r_left = left[r]
                 n = min(t, r_left)
-                counts[r][i] += n
+                counts[r, i] = counts.get((r, i), 0) + n
                 t -= n
                 r_left -= n
-    return torch.tensor(counts, dtype=torch.long)
+    if counts:
+        (rows, slots), n = zip(*counts.keys()), list(counts.values())
+        out.index_put_((torch.tensor(rows), torch.tensor(slots)), torch.tensor(n))
+    return out
 
 
 def plan_with_replicas(counts: torch.Tensor, all_counts: torch.Tensor, slots: int, retention_ratio: float = 1.0,
@@ -230,15 +236,13 @@ def plan_with_replicas(counts: torch.Tensor, all_counts: torch.Tensor, slots: in
     if not torch.equal(target, n) and math.isfinite(balance_factor):
         cap = min(cap, math.floor(balance_factor * float(target.sum()) / R))
     cut = ALLOCATIONS[allocation]
-    for d in range(R):
-        if int(capacity[d].sum()) > cap:
+    for d, rows in enumerate(capacity.sum(1).tolist()):
+        if rows > cap:
             capacity[d] = cut(capacity[d], int(cap))
     El = n.numel() // R
     quotas = capacity[:, :El].reshape(-1).clone()
-    for d in range(R):
-        for s, e in enumerate(replica_expert[d].tolist()):
-            if e >= 0:
-                quotas[e] += capacity[d, El + s]
+    placed = replica_expert >= 0
+    quotas.index_add_(0, replica_expert[placed], capacity[:, El:][placed])
     if floor > 0:
         deficit = (torch.minimum(n, torch.ceil(floor * n.double()).long()) - quotas).clamp_min(0)
         capacity[:, :El] += deficit.view(R, El)
