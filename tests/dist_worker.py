@@ -242,6 +242,15 @@ def run_replicas(data, exact_grads):
             "retained_per_rank": stats.retained_per_rank.tolist(), "replica_rows": stats.replica_rows,
             "quotas_equal": torch.equal(stats.quotas, at_home.quotas),
             "backward_bytes": [home_bytes[1], spread_bytes[1]]}
+    # ZeRO-2 training steps: the replicas' gradients go through DeepSpeed's reduction like the home ones
+    cfg = {"enabled": True, "retention_ratio": 0.5, "policy": "recompute", "seed": 5, "balance_factor": 100.0,
+           "quota_allocation": "proportional"}
+    home = train_steps(make_engine(2, cfg), data)
+    engine = make_engine(2, {**cfg, "replica_slots": 1, "replica_min_rows": 1})
+    rows = []
+    engine.module.moe.register_forward_hook(lambda m, i, o: rows.append(m.last_stats.replica_rows))
+    spread = train_steps(engine, data)
+    out["zero2_steps"] = {"loss_abs_diff": max(abs(a - b) for a, b in zip(home, spread)), "replica_rows": rows}
     return out
 
 
