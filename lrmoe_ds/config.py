@@ -32,10 +32,15 @@ class LRMoEConfig(DeepSpeedConfigModel):
     the last, e.g. [[0, 0.35], [300, 0.35], [500, 1.0]]. Not with retention_ratio. (Measured: such a
     schedule of mean 0.5, ending exact, converged no better than a constant 0.5; benchmarks/results.)"""
 
-    quota_allocation: Literal["waterfill", "proportional"] = "waterfill"
+    quota_allocation: Literal["waterfill", "proportional", "threshold"] = "waterfill"
     """How the retained pairs are shared among experts: "waterfill" (from above: cold experts keep every
-    pair, the hottest are capped first) or "proportional" (every expert keeps the same fraction). The
-    budget's and the balance factor's per-rank cuts follow the same rule."""
+    pair, the hottest are capped first) or "proportional" (every expert keeps the same fraction), planned
+    in the forward; the budget's and the balance factor's per-rank cuts follow the same rule. "threshold":
+    no planned share: each rank keeps the target fraction of its pairs by one priority-sampling threshold
+    over all of them, so an expert keeps as many pairs as its metric mass earns (less sampling variance:
+    benchmarks/results/grad_noise_alloc_cpu.md); the budget's row cap then bounds each expert (the balance
+    factor does not apply), and the backward exchanges its kept counts before its all-to-all (ep_size > 1).
+    Not with floor or replica_slots, which need planned quotas."""
 
     metric: Literal["grad_norm", "gate", "uniform"] = "grad_norm"
     """Contribution of a pair to its expert's update: ||dy_p|| ||x_p|| ("grad_norm"), the gate
@@ -112,6 +117,15 @@ class LRMoEConfig(DeepSpeedConfigModel):
     def _one_budget(self):
         if self.budget_gib is not None and self.budget_fraction is not None:
             raise ValueError("give budget_gib or budget_fraction, not both")
+        return self
+
+    @model_validator(mode="after")
+    def _threshold_needs_no_plan(self):
+        if self.quota_allocation == "threshold":
+            planned = [k for k in ("floor", "replica_slots") if getattr(self, k)]
+            if planned:
+                raise ValueError(f'quota_allocation "threshold" chooses each expert\'s count in the backward; '
+                                 f'{" and ".join(planned)} need planned quotas ("waterfill" or "proportional")')
         return self
 
     @model_validator(mode="after")

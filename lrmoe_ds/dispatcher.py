@@ -234,6 +234,19 @@ class AllToAllDispatcher:
         return CompactPlan(shares[rank].view(R, El).sum(1).tolist(), mine.sum(1).tolist(), regroup, regroup_inverse,
                            to_device(mine.sum(0), device), mine.sum(0).tolist())
 
+    def compact_kept(self, kept_sizes: torch.Tensor):
+        """kept_sizes [E] (device): this rank's retained pairs per expert, counted in the backward (the
+        "threshold" allocation) -> (its CompactPlan, kept pairs per expert over the group [E]). R > 1: one
+        all-gather of the counts, and the host read of the exchange sizes."""
+        R, E = self.ep_size, self.num_experts
+        if R == 1:
+            return CompactPlan([], [], None, None, kept_sizes, []), kept_sizes
+        counts = kept_sizes.new_empty(R * E)
+        COLLECTIVE_CALLS["all_gather"] += 1
+        dist.all_gather_into_tensor(counts, kept_sizes.contiguous(), group=self.ep_group)
+        counts = counts.cpu().view(R, E)
+        return self.compact(counts, kept_sizes.device), counts.sum(0)
+
     # Plain (not autograd) exchanges, for callers that write their own backward. `splits` is the
     # DispatchPlan of the forward or the CompactPlan of the backward's retained rows.
     def to_experts(self, rows: torch.Tensor, splits) -> torch.Tensor:

@@ -165,8 +165,12 @@ class LRMoE(MoE):
 
         def plan_backward(spec: BackwardSpec) -> None:
             n = plan.all_counts.sum(0)
-            placed = None
-            if replicas:
+            placed = totals = None
+            if cfg.quota_allocation == "threshold":
+                # per-expert caps from the budget alone; each rank keeps `ratio` of its own pairs over all experts
+                quotas = plan_quotas(n, 1.0, R, 0.0, cfg.balance_factor, max_rows)
+                totals = [int(ratio * c) for c in plan.all_counts.sum(1).tolist()]
+            elif replicas:
                 quotas, shares, placed = plan_with_replicas(n, plan.all_counts, cfg.replica_slots, ratio, cfg.floor,
                                                             cfg.balance_factor, max_rows, cfg.quota_allocation,
                                                             cfg.replica_min_rows)
@@ -177,7 +181,10 @@ class LRMoE(MoE):
                                              backward_bytes, 0 if placed is None else placed.replica_rows())
             if placed is not None:
                 spec.shares, spec.replicas = shares, placed
-            elif not torch.equal(quotas, n):
+            elif totals is not None and (ratio < 1.0 or not torch.equal(quotas, n)):
+                spec.shares, spec.totals = rank_shares(quotas, plan.all_counts), totals
+                spec.on_kept = self.last_stats.set_kept
+            elif totals is None and not torch.equal(quotas, n):
                 spec.shares = rank_shares(quotas, plan.all_counts)
 
         rank = dist.get_rank() if dist.is_initialized() else 0  # every rank samples its own pairs

@@ -131,9 +131,14 @@ class RoutedMLP(torch.autograd.Function):
                 sizes, quotas = plan.group_sizes, splits.group_sizes
             else:
                 sizes, quotas = to_device(plan.all_counts[rank], dout.device), to_device(shares[rank], dout.device)
-            kept, scale, _ = select_retained(metric, sizes, quotas, spec.selection, spec.seed,
-                                             num_kept=int(shares[rank].sum()))
-            if replicas is not None:
+            total = None if spec.totals is None else spec.totals[rank]
+            kept, scale, kept_sizes = select_retained(metric, sizes, quotas, spec.selection, spec.seed,
+                                                      num_kept=int(shares[rank].sum()), total=total)
+            if total is not None:  # the counts were chosen here: the exchange sizes follow from them
+                splits, kept_counts = disp.compact_kept(kept_sizes)
+                if spec.on_kept is not None:
+                    spec.on_kept(kept_counts)
+            elif replicas is not None:
                 # retained rows by the group slot (home expert or replica) that runs them, in send order
                 slot = replicas.slot_of_rows(rank, kept.numel(), dout.device)
                 _, by_slot, _ = ops.routing_plan(slot, replicas.counts.shape[1])

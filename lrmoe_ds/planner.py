@@ -215,7 +215,7 @@ class MemoryPlanner:
         for layer in self.layers:
             s, plan, tag = layer.last_stats, layer.memory_plan, f"lrmoe/layer{layer.layer_number}"
             if s is not None:
-                n, q = s.counts.double(), torch.minimum(s.quotas.double(), s.counts.double())
+                n, q = s.counts.double(), torch.minimum(s.retained().double(), s.counts.double())
                 events.append((f"{tag}/retention", float(q.sum() / n.sum()) if n.sum() > 0 else 1.0, step))
                 if s.replica_rows:
                     events.append((f"{tag}/replica_rows", float(s.replica_rows), step))

@@ -10,6 +10,8 @@ from typing import Literal, Optional
 
 import torch
 
+from lrmoe_ds.dispatcher import HostCopy
+
 
 @dataclass
 class MemoryPlan:
@@ -127,6 +129,8 @@ class RetentionStats:
     policy: the activation policy used.  stash_bytes_per_row: what "stash" keeps per routed row.
     backward_bytes_per_row: the expert backward's buffers per retained row (under this policy).
     replica_rows: retained rows that run on replicas (``replica_slots``), over all ranks.
+    Under the "threshold" allocation the quotas are caps and the backward counts what it keeps
+    (:meth:`set_kept`); :meth:`retained` is then that count.
     """
     counts: torch.Tensor
     quotas: torch.Tensor
@@ -136,6 +140,15 @@ class RetentionStats:
     stash_bytes_per_row: int
     backward_bytes_per_row: int
     replica_rows: int = 0
+    kept: Optional[HostCopy] = None
+
+    def set_kept(self, kept: torch.Tensor) -> None:
+        """The backward's kept pairs per expert [E]; copied to the host without waiting (read when asked for)."""
+        self.kept = HostCopy(kept)
+
+    def retained(self) -> torch.Tensor:
+        """[E] retained pairs per expert: the backward's count where it chose them, else the quotas."""
+        return self.quotas if self.kept is None else self.kept.get()
 
 
 def expert_row_bytes(hidden: int, ffn: int, activation: str, element_size: int):

@@ -7,7 +7,7 @@ unbiased estimate of the group's full gradient. Deterministic top-k by m_p is ke
 only: its gradient is biased and training with it collapsed (DESIGN.md).
 """
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Callable, List, Literal, Optional
 
 import torch
 
@@ -29,6 +29,9 @@ class BackwardSpec:
     metric, selection, rescale, seed: the sampling (the seed differs per layer, step and rank).
     record: a dict the backward fills with its selection (``kept``, ``scale``, ``pairs``), or None.
     replicas: where the retained rows run when some run on replicas (set with ``shares``), or None: at home.
+    totals: per source rank, the pairs to keep over all experts ("threshold" allocation; ``shares`` are
+        then per-expert caps), or None.  on_kept: called with the kept pairs per expert over the
+        expert-parallel group [E] where the backward chose them (``totals``).
     """
     policy: str = "stash"
     router_grad: str = "exact"
@@ -40,6 +43,8 @@ class BackwardSpec:
     seed: int = 0
     record: Optional[dict] = None
     replicas: Optional[ReplicaPlan] = None
+    totals: Optional[List[int]] = None
+    on_kept: Optional[Callable[[torch.Tensor], None]] = None
 
 
 def pair_metric(metric: Metric, gate: torch.Tensor, dout_norm: Optional[torch.Tensor],
@@ -66,22 +71,38 @@ def _generator(device: torch.device, seed: int) -> torch.Generator:
 
 
 def select_retained(metric: torch.Tensor, group_sizes: torch.Tensor, quotas: torch.Tensor,
-                    selection: Selection = "priority_sampling", seed: int = 0, num_kept: Optional[int] = None):
+                    selection: Selection = "priority_sampling", seed: int = 0, num_kept: Optional[int] = None,
+                    total: Optional[int] = None):
     """Choose the retained pairs of each group.
 
     metric [P] (pairs in grouped order), group_sizes [G], quotas [G].
     Returns kept [P'] (grouped positions, grouped order), scale [P'] fp32 (the unbiased weights;
-    ones for "topk"), kept_sizes [G] = min(quota, size). num_kept: P' where known (no host read on CUDA).
+    ones for "topk"), kept_sizes [G] (device). num_kept: sum_g min(quota, size) where known (no host read on
+    CUDA).
+
+    total (the "threshold" allocation): keep ``total`` pairs over all groups, the largest keys among those
+    within their group's quota (the quotas are then caps), so that a group keeps as many pairs as its
+    metric mass earns. A kept pair's threshold is the larger of its group's and the overall one: each is
+    the order statistic of the other pairs' keys that the pair had to beat, so the weights stay unbiased.
     """
     if selection == "topk":
-        kept, kept_sizes, _ = ops.topk_retention(metric, group_sizes, quotas, num_kept)
-        return kept, torch.ones(kept.numel(), device=metric.device), kept_sizes
-    u = 1.0 - torch.rand(metric.shape, generator=_generator(metric.device, seed), device=metric.device)  # (0, 1]
-    keys = metric / u
+        keys = metric
+    else:
+        u = 1.0 - torch.rand(metric.shape, generator=_generator(metric.device, seed), device=metric.device)  # (0, 1]
+        keys = metric / u
     kept, kept_sizes, tau = ops.topk_retention(keys, group_sizes, quotas, num_kept)
-    m = metric.index_select(0, kept)
+    ends = group_sizes.to(kept.device).cumsum(0)
     # each kept position's group: kept positions are grouped, so a search in the groups' ends finds it
-    tau_row = tau.index_select(0, torch.bucketize(kept, group_sizes.to(kept.device).cumsum(0), right=True))
+    tau_row = tau.index_select(0, torch.bucketize(kept, ends, right=True))
+    if total is not None and total < kept.numel():
+        one_group = torch.full((1,), kept.numel(), dtype=torch.long, device=kept.device)  # a fill: no host copy
+        among, _, tau_all = ops.topk_retention(keys.index_select(0, kept), one_group, torch.full_like(one_group, total),
+                                               total)
+        kept, tau_row = kept.index_select(0, among), torch.maximum(tau_row.index_select(0, among), tau_all)
+        kept_sizes = torch.bincount(torch.bucketize(kept, ends, right=True), minlength=group_sizes.numel())
+    if selection == "topk":
+        return kept, torch.ones(kept.numel(), device=metric.device), kept_sizes
+    m = metric.index_select(0, kept)
     # tau = 0 (the whole group kept, or fewer non-zero metrics than the quota): 0 / m, clamped up, is weight 1
     # (m is clamped off 0, so no 0/0). Where tau > 0 a kept key is >= tau > 0, so m > 0 and its clamp changes nothing.
     scale = (tau_row / m.clamp_min(torch.finfo(m.dtype).tiny)).clamp_min(1.0)

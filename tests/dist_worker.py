@@ -216,6 +216,20 @@ def run_retention_ep2(data):
     out["a2a_bytes"] = {"exact_forward": bytes0[0], "exact_backward": bytes0[1],
                         "half_stash_backward": bytes_s[1], "half_recompute_backward": half["recompute"][2][1]}
     out["unbiased"] = {str(ratio): sampling_error(grads0, ratio, data) for ratio in (0.5, 0.3)}
+    # one threshold per rank: each rank keeps half of its own pairs, the counts exchanged in the backward
+    threshold = {"quota_allocation": "threshold"}
+    _, _, _, engine = one_step_grads({"enabled": True, "retention_ratio": 0.5, "seed": 3, **threshold}, data,
+                                     keep_selection=True)
+    moe = engine.module.moe
+    pairs = moe.last_selection["pairs"]
+    with torch.no_grad():
+        experts_of_pairs = moe.deepspeed_moe.gate(engine.module.inp(my_slice(data[0][0])).reshape(-1, H)).topk_index
+    kept = torch.bincount(experts_of_pairs.reshape(-1)[pairs], minlength=E)
+    total_kept = kept.clone()
+    dist.all_reduce(total_kept)
+    out["threshold"] = {"kept_half_of_mine": pairs.numel() == B * S * K // 2,
+                        "counts_exchanged": torch.equal(total_kept, moe.last_stats.retained()),
+                        "unbiased": sampling_error(grads0, 0.5, data, extra=threshold)}
     out["replicas"] = run_replicas(data, grads0)
     return out
 
@@ -254,14 +268,15 @@ def run_replicas(data, exact_grads):
     return out
 
 
-def sampling_error(exact_grads, ratio, data, seeds=32):
+def sampling_error(exact_grads, ratio, data, seeds=32, extra=None):
     """Relative error of the expert gradients against the exact ones, the largest over both ranks' experts:
     of one sampled step, and of the mean over ``seeds`` sampling seeds (an unbiased estimate: about the
     first over sqrt(seeds))."""
     names = [n for n in exact_grads if ".experts.weight" in n]
     mean = {n: torch.zeros_like(exact_grads[n]) for n in names}
     for s in range(seeds):
-        _, grads, _, _ = one_step_grads({"enabled": True, "retention_ratio": ratio, "seed": 100 + s}, data)
+        _, grads, _, _ = one_step_grads({"enabled": True, "retention_ratio": ratio, "seed": 100 + s, **(extra or {})},
+                                        data)
         for n in names:
             mean[n] += grads[n] / seeds
         if s == 0:

@@ -38,6 +38,9 @@ def test_bad_block_names_the_key(block, message):
     ({"retention_schedule": [[0, 0.5], [10, 1.5]]}, r"ratios must be in \(0, 1\], got \[0.5, 1.5\]"),
     ({"retention_schedule": [[0, 0.0]]}, r"ratios must be in \(0, 1\]"),
     ({"retention_schedule": [[0]]}, '"retention_schedule.0.1"'),
+    ({"quota_allocation": "threshold", "floor": 0.1}, 'quota_allocation "threshold" .*; floor need planned quotas'),
+    ({"quota_allocation": "threshold", "replica_slots": 1}, "replica_slots need planned quotas"),
+    ({"replica_slots": -1}, '"replica_slots": Input should be greater than or equal to 0'),
 ])
 def test_bad_retention_schedule(block, message):
     with pytest.raises(ValueError, match=message):

@@ -37,6 +37,10 @@ def test_multi_rank_matches_single_process(tmp_path):
     for ratio, err in ep2["unbiased"].items():  # over 2 ranks the sampled gradient averages to the exact one
         assert err["one_sample"] > 0.02, (ratio, err)                  # one sample really drops pairs...
         assert err["mean"] < 0.35 * err["one_sample"], (ratio, err)     # ...and the mean converges (1/sqrt(32) = 0.18)
+    threshold = ep2["threshold"]           # quota_allocation "threshold": half of each rank's pairs, counts exchanged
+    assert threshold["kept_half_of_mine"] and threshold["counts_exchanged"], threshold
+    err = threshold["unbiased"]
+    assert err["one_sample"] > 0.02 and err["mean"] < 0.35 * err["one_sample"], threshold
     steps = ep2["replicas"].pop("zero2_steps")                  # ZeRO-2 training with replicas: the same losses
     assert steps["loss_abs_diff"] < 1e-6 and sum(steps["replica_rows"]) > 0, steps
     for run, rep in ep2["replicas"].items():  # replica_slots 1: the retained rows leveled over the ranks

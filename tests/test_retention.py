@@ -140,6 +140,45 @@ def test_priority_sampling_is_unbiased():
     assert torch.all(samples.std(0) > 0)  # it really samples
 
 
+def test_one_threshold_keeps_the_total_within_the_caps():
+    g = torch.Generator().manual_seed(3)
+    metric = torch.rand(30, generator=g) * torch.tensor([1.0] * 10 + [10.0] * 20)  # group 1 carries the mass
+    sizes, caps = torch.tensor([10, 15, 5]), torch.tensor([10, 15, 2])
+    kept, scale, kept_sizes = select_retained(metric, sizes, caps, num_kept=27, total=12)
+    assert kept.numel() == 12 and int(kept_sizes.sum()) == 12 and torch.all(kept_sizes <= caps)
+    assert torch.equal(kept, torch.sort(kept).values)                     # still in grouped order
+    assert torch.equal(kept_sizes, torch.bincount(torch.bucketize(kept, sizes.cumsum(0), right=True), minlength=3))
+    assert int(kept_sizes[1]) > int(kept_sizes[0])                        # the group of large metrics keeps more
+    again = select_retained(metric, sizes, caps, num_kept=27, total=12)
+    assert torch.equal(kept, again[0]) and torch.equal(scale, again[1])
+    # a total above what the caps let through changes nothing
+    capped = select_retained(metric, sizes, caps, num_kept=27)
+    for a, b in zip(select_retained(metric, sizes, caps, num_kept=27, total=28), capped):
+        assert torch.equal(a, b)
+    # topk: the 12 largest metrics among each group's 2..15 largest
+    kept, scale, _ = select_retained(metric, sizes, caps, selection="topk", total=12)
+    allowed = torch.cat([torch.arange(25), 25 + torch.sort(-metric[25:], stable=True).indices[:2]])
+    top = allowed[torch.sort(-metric[allowed], stable=True).indices[:12]]
+    assert torch.equal(kept, torch.sort(top).values) and torch.all(scale == 1)
+
+
+def test_one_threshold_is_unbiased():
+    # E[sum_kept scale_p * v_p] = sum_p v_p per group, with the overall threshold and a binding cap together
+    g = torch.Generator().manual_seed(2)
+    metric = torch.rand(30, generator=g, dtype=torch.float64)
+    sizes, v = torch.tensor([20, 10]), torch.randn(30, generator=g, dtype=torch.float64)
+    exact = torch.stack([v[:20].sum(), v[20:].sum()])
+    samples = []
+    for seed in range(1000):
+        kept, scale, ks = select_retained(metric, sizes, torch.tensor([20, 4]), seed=seed, total=9)
+        contrib = v[kept] * scale.double()
+        samples.append(torch.stack([contrib[:int(ks[0])].sum(), contrib[int(ks[0]):].sum()]))
+    samples = torch.stack(samples)
+    stderr = samples.std(0) / len(samples) ** 0.5
+    assert torch.all((samples.mean(0) - exact).abs() < 4 * stderr), (samples.mean(0), exact, stderr)
+    assert torch.all(samples.std(0) > 0)
+
+
 def test_topk_ablation_keeps_largest_metric_unweighted():
     kept, scale, _ = select_retained(torch.tensor([1.0, 3.0, 2.0, 5.0]), torch.tensor([4]), torch.tensor([2]),
                                      selection="topk")
@@ -274,19 +313,26 @@ def reference_retained_grads(layer, x, proj, pairs, scale, router_grad="exact"):
     return xr.grad, [wg.grad] + stacked   # layer.parameters() order
 
 
-@pytest.mark.parametrize("policy,router_grad,selection",
-                         [("stash", "exact", "priority_sampling"), ("recompute", "exact", "priority_sampling"),
-                          ("stash", "retained", "priority_sampling"), ("recompute", "retained", "topk")])
-def test_gradients_are_those_of_the_selected_pairs(policy, router_grad, selection):
+@pytest.mark.parametrize("policy,router_grad,selection,allocation",
+                         [("stash", "exact", "priority_sampling", "waterfill"),
+                          ("recompute", "exact", "priority_sampling", "waterfill"),
+                          ("stash", "retained", "priority_sampling", "waterfill"),
+                          ("recompute", "retained", "topk", "waterfill"),
+                          ("stash", "exact", "priority_sampling", "threshold"),
+                          ("recompute", "retained", "priority_sampling", "threshold")])
+def test_gradients_are_those_of_the_selected_pairs(policy, router_grad, selection, allocation):
     layer, x = make_layer(1)
     x[:, 0] = 3.0                      # a hot expert, so that its quota binds
     layer.keep_last_selection = True
-    configure(layer, retention_ratio=0.5, policy=policy, router_grad=router_grad, selection=selection)
+    configure(layer, retention_ratio=0.5, policy=policy, router_grad=router_grad, selection=selection,
+              quota_allocation=allocation)
     dx, grads = layer_grads(layer, x, step=3)
     sel = layer.last_selection
     pairs, scale = sel["pairs"], sel["scale"]
     stats = layer.last_stats
-    assert pairs.numel() == int(stats.quotas.sum()) < T * K
+    assert pairs.numel() == int(stats.retained().sum()) < T * K
+    if allocation == "threshold":  # one threshold: half of the pairs, each expert's count chosen by the sample
+        assert pairs.numel() == T * K // 2 and torch.equal(stats.quotas, stats.counts)
     proj = torch.linspace(-1, 1, T * H, dtype=torch.float64).view(T, H)
     ref_dx, ref_grads = reference_retained_grads(layer, x, proj, pairs, scale, router_grad)
     for name, a, b in [("dx", dx, ref_dx)] + [(f"param {i}", a, b) for i, (a, b) in enumerate(zip(grads, ref_grads))]:
@@ -294,7 +340,7 @@ def test_gradients_are_those_of_the_selected_pairs(policy, router_grad, selectio
     # the selected pairs are, per expert, the quota's largest keys: recompute them from the metric
     idx = layer.deepspeed_moe.gate(x).topk_index.reshape(-1)
     kept_per_expert = torch.bincount(idx[pairs], minlength=E)
-    assert torch.equal(kept_per_expert, stats.quotas)
+    assert torch.equal(kept_per_expert, stats.retained())
     if selection == "topk":
         assert torch.all(scale == 1)
 
@@ -314,10 +360,11 @@ def test_topk_selection_keeps_the_largest_metric():
         assert set(top.tolist()) == kept & set(mine.tolist()), e
 
 
-def test_ratio_half_is_unbiased_and_router_stays_exact():
+@pytest.mark.parametrize("allocation", ["waterfill", "threshold"])
+def test_ratio_half_is_unbiased_and_router_stays_exact(allocation):
     layer, x = make_layer()
     dx_exact, grads_exact = layer_grads(layer, x)
-    configure(layer, retention_ratio=0.5)
+    configure(layer, retention_ratio=0.5, quota_allocation=allocation)
     n, mean, errs = 100, [torch.zeros_like(g) for g in grads_exact], []
     for step in range(n):
         _, grads = layer_grads(layer, x, step)
