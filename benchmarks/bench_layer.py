@@ -71,6 +71,8 @@ def parse_args(argv=None):
     p.add_argument("--policies", nargs="+", choices=["stash", "recompute", "auto"], default=["stash", "recompute"])
     p.add_argument("--router_grad", choices=["exact", "retained"], default="exact")
     p.add_argument("--metric", choices=["grad_norm", "gate", "uniform"], default="grad_norm")
+    p.add_argument("--allocations", nargs="+", choices=["waterfill", "proportional", "threshold"],
+                   default=["waterfill"], help="quota_allocation of the enabled rows (each with every ratio)")
     p.add_argument("--reps", type=int, default=15, help="timed forward + backward steps per row")
     p.add_argument("--out", default=None, help="write the markdown here (rewritten after every table)")
     return p.parse_args(argv)
@@ -79,11 +81,13 @@ def parse_args(argv=None):
 def row_specs(args):
     """(row name, layer kind, "lrmoe" block or None); rows of one kind are consecutive."""
     rows = [(ANCHOR, "anchor", None), (DEEPSPEED, "deepspeed", None), ("LRMoE exact (enabled false)", "lrmoe", {})]
-    for policy in args.policies:
-        for r in args.ratios:
-            rows.append((f"LRMoE retention {r:g}, {policy}", "lrmoe",
-                         {"enabled": True, "retention_ratio": r, "policy": policy, "metric": args.metric,
-                          "router_grad": args.router_grad}))
+    for allocation in args.allocations:
+        for policy in args.policies:
+            for r in args.ratios:
+                named = "" if allocation == "waterfill" else f", {allocation}"
+                rows.append((f"LRMoE retention {r:g}, {policy}{named}", "lrmoe",
+                             {"enabled": True, "retention_ratio": r, "policy": policy, "metric": args.metric,
+                              "router_grad": args.router_grad, "quota_allocation": allocation}))
     return rows
 
 

@@ -18,7 +18,8 @@ one of half the batch.
   - which split of the same retained count over the experts would sample best, for the grad_norm metric:
     each expert's water-fill quota, the same fraction of every expert ("proportional"), or no per-expert
     quota at all: one threshold tau over all the layer's pairs (the variance-minimising split of the
-    layer's retained count; the pipeline does not implement it, this only predicts what it would give).
+    layer's retained count; measured too with ``--allocations waterfill threshold``, the pipeline's
+    "threshold" allocation).
 
     python3 benchmarks/grad_noise.py --out benchmarks/results/grad_noise_cpu.md
 """
@@ -179,6 +180,8 @@ def main(argv=None):
     p.add_argument("--samples", type=int, default=16, help="sampling seeds per retention variant")
     p.add_argument("--ratio", type=float, nargs="+", default=[0.5])
     p.add_argument("--metrics", nargs="+", default=["grad_norm", "gate", "uniform"])
+    p.add_argument("--allocations", nargs="+", default=["waterfill"],
+                   help="quota_allocation of each measured variant (with every metric), e.g. waterfill threshold")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -209,15 +212,18 @@ def main(argv=None):
     rows_out = []
     for ratio in args.ratio:
         for metric in args.metrics:
-            samples = []
-            for s in range(args.samples):
-                configure(model, enabled=True, retention_ratio=ratio, metric=metric, seed=1000 + s)
-                samples.append(gradient(model, batches[0], targs.aux_loss_coef))
-            configure(model)
-            noise = {g: sum(sq(sub(x, g0))[g] for x in samples) / len(samples) for g in g0}
-            bias = sq(sub(mean(samples), g0))
-            rows_out.append((ratio, metric, noise, bias))
-            print(f"ratio {ratio} {metric}: " + ", ".join(f"{g} {noise[g] / noise_mb[g]:.2f}" for g in g0))
+            for allocation in args.allocations:
+                samples = []
+                for s in range(args.samples):
+                    configure(model, enabled=True, retention_ratio=ratio, metric=metric, seed=1000 + s,
+                              quota_allocation=allocation)
+                    samples.append(gradient(model, batches[0], targs.aux_loss_coef))
+                configure(model)
+                noise = {g: sum(sq(sub(x, g0))[g] for x in samples) / len(samples) for g in g0}
+                bias = sq(sub(mean(samples), g0))
+                name = metric if args.allocations == ["waterfill"] else f"{metric}, {allocation}"
+                rows_out.append((ratio, name, noise, bias))
+                print(f"ratio {ratio} {name}: " + ", ".join(f"{g} {noise[g] / noise_mb[g]:.2f}" for g in g0))
 
     lines = ["# Gradient noise of retention against the minibatch's own noise (CPU)", "",
              f"Command: `python3 benchmarks/grad_noise.py {' '.join(argv if argv is not None else sys.argv[1:])}`", "",

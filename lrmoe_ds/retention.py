@@ -99,7 +99,9 @@ def select_retained(metric: torch.Tensor, group_sizes: torch.Tensor, quotas: tor
         among, _, tau_all = ops.topk_retention(keys.index_select(0, kept), one_group, torch.full_like(one_group, total),
                                                total)
         kept, tau_row = kept.index_select(0, among), torch.maximum(tau_row.index_select(0, among), tau_all)
-        kept_sizes = torch.bincount(torch.bucketize(kept, ends, right=True), minlength=group_sizes.numel())
+        group = torch.bucketize(kept, ends, right=True)  # a scatter, not bincount: on CUDA that reads its max back
+        kept_sizes = torch.zeros(group_sizes.numel(), dtype=torch.long, device=kept.device).scatter_add_(
+            0, group, torch.ones_like(group))
     if selection == "topk":
         return kept, torch.ones(kept.numel(), device=metric.device), kept_sizes
     m = metric.index_select(0, kept)

@@ -41,8 +41,10 @@ def test_bf16_layer_matches_fp64_reference(backend, activation):
     ops.set_default_backend("auto")
 
 
-@pytest.mark.parametrize("policy,router_grad", [("stash", "exact"), ("recompute", "retained")])
-def test_bf16_retention_matches_reference_over_selected_pairs(policy, router_grad):
+@pytest.mark.parametrize("policy,router_grad,allocation", [("stash", "exact", "waterfill"),
+                                                            ("recompute", "retained", "waterfill"),
+                                                            ("stash", "exact", "threshold")])
+def test_bf16_retention_matches_reference_over_selected_pairs(policy, router_grad, allocation):
     """Retention 0.5 on CUDA (CUDA ops where they build): the gradients are those of exactly the
     selected pairs (the fp64 reference of test_retention, fed with the CUDA run's selection)."""
     import copy
@@ -54,7 +56,7 @@ def test_bf16_retention_matches_reference_over_selected_pairs(policy, router_gra
     layer = layer.cuda().bfloat16()
     ref_layer.load_state_dict({k: v.double().cpu() for k, v in layer.state_dict().items()})
     layer.keep_last_selection = True
-    tr.configure(layer, retention_ratio=0.5, policy=policy, router_grad=router_grad)
+    tr.configure(layer, retention_ratio=0.5, policy=policy, router_grad=router_grad, quota_allocation=allocation)
     xb = x.cuda().bfloat16().requires_grad_(True)
     out, _, _ = layer(xb)
     proj = torch.linspace(-1, 1, tr.T * tr.H, dtype=torch.float64).view(tr.T, tr.H)
@@ -68,8 +70,8 @@ def test_bf16_retention_matches_reference_over_selected_pairs(policy, router_gra
         assert rel(p.grad.cpu(), g) < 3e-2, n
 
 
-@pytest.mark.parametrize("retention", [None, 0.5])
-def test_no_host_synchronisation_on_one_gpu(retention):
+@pytest.mark.parametrize("retention,allocation", [(None, "waterfill"), (0.5, "waterfill"), (0.5, "threshold")])
+def test_no_host_synchronisation_on_one_gpu(retention, allocation):
     """On one GPU with the CUDA ops no step of the layer waits for the GPU's stream: the exact layer
     reads nothing back; with retention the forward waits once, on an event, for the early copy of the
     expert counts (after the experts' GEMMs are queued), which set_sync_debug_mode does not flag."""
@@ -78,7 +80,7 @@ def test_no_host_synchronisation_on_one_gpu(retention):
     torch.manual_seed(0)
     layer = lrmoe_ds.LRMoE(H, num_experts=E, k=K, ffn_hidden_size=F).cuda().bfloat16()
     if retention is not None:
-        layer.configure(lrmoe_ds.LRMoEConfig(enabled=True, retention_ratio=retention))
+        layer.configure(lrmoe_ds.LRMoEConfig(enabled=True, retention_ratio=retention, quota_allocation=allocation))
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     layer(x)[0].sum().backward()  # warm-up: the first training forward reads its step counter once
     torch.cuda.synchronize()
@@ -97,6 +99,7 @@ def test_no_host_synchronisation_on_one_gpu(retention):
     started = plans[0].host_counts._event is not None or plans[0].host_counts._device is None
     assert started == (retention is not None)
     assert torch.equal(plans[0].all_counts.view(-1), counts.cpu())  # copied when read, lazy or not
-    if retention is not None:
-        assert int(layer.last_stats.quotas.sum()) < T * K
+    if retention is not None:  # (threshold: the backward's kept counts, copied without a wait, read here)
+        assert int(layer.last_stats.retained().sum()) == T * K // 2 if allocation == "threshold" else \
+            int(layer.last_stats.quotas.sum()) < T * K
     ops.set_default_backend("auto")
