@@ -169,6 +169,17 @@ def test_per_expert_events_every_report_interval():
     assert [at2[f"lrmoe/layer0/expert{e}/retention"] for e in range(3)] == [0.5, 1.0, 1.0]  # n_1 = 0 -> 1.0
 
 
+def test_retention_events_use_the_backwards_kept_counts_where_it_chose_them():
+    """Under "threshold" the quotas are caps; the backward's kept counts (set_kept) are what was retained."""
+    monitor = RecordingMonitor()
+    planner, layers, acc = warmed_up(LRMoEConfig(warmup_steps=1, report_interval=2), monitor=monitor)
+    layers[0].last_stats.set_kept(torch.tensor([100, 0, 300]))   # counts (400, 0, 600): 0.4 kept in all
+    planner.on_step(2)
+    at2 = monitor.named(step=2)
+    assert at2["lrmoe/layer0/retention"] == pytest.approx(0.4) and at2["lrmoe/layer1/retention"] == pytest.approx(0.8)
+    assert [at2[f"lrmoe/layer0/expert{e}/retention"] for e in range(3)] == [0.25, 1.0, 0.5]
+
+
 def test_forward_pre_hook_calls_on_step_once_per_global_step():
     planner = MemoryPlanner(LRMoEConfig(), [], accelerator=FakeAccelerator())
     engine = SimpleNamespace(module=torch.nn.Linear(2, 2), global_steps=0, monitor=RecordingMonitor(),
