@@ -80,6 +80,25 @@ def test_hf_model_converted_with_ep2_matches_the_original(tmp_path):
     assert result["hf_state_dict_equal"], result                      # exported: the original model's entries
 
 
+def test_expert_parallel_layer_benchmark_runs(tmp_path):
+    """benchmarks/bench_layer_ep.py (issue 5's layer table) at a toy shape on 2 CPU ranks: every row runs,
+    compaction shrinks the backward's exchange, and the replicas level the skewed ranks."""
+    out = tmp_path / "layer_ep.md"
+    bench = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_layer_ep.py"
+    proc, log = launch_ranks([bench, "--hidden", "32", "--ffn", "48", "--experts", "8", "--top_k", "2",
+                              "--tokens", "128", "--reps", "1", "--routing", "zipf", "--skew", "3",
+                              "--replica_slots", "1", "--replica_min_rows", "1", "--out", out], cwd=tmp_path,
+                             timeout=300)
+    assert proc.returncode == 0, log[-6000:]
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in out.read_text().splitlines()
+            if line.startswith("| LRMoE") or line.startswith("| DeepSpeed")}
+    assert len(rows) == 7, rows
+    exact, stash = rows["LRMoE exact (enabled false)"], rows["LRMoE retention 0.5, stash"]
+    assert float(stash[6]) < float(exact[6]), (stash, exact)          # backward a2a MB: retained rows only
+    home, spread = rows["LRMoE retention 1, recompute"], rows["LRMoE retention 1, recompute, 1 replica slots"]
+    assert float(spread[7]) < float(home[7]) and int(spread[8].rstrip(" |")) > 0, (home, spread)
+
+
 def test_expert_bias_updates_from_the_counts_of_every_rank(tmp_path):
     out = tmp_path / "balance.json"
     proc, log = launch(tmp_path, "--mode", "balance", "--out", str(out), timeout=300)
