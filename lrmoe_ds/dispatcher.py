@@ -101,14 +101,15 @@ class CompactPlan:
 
     send_splits / recv_splits: retained rows to / from each EP rank (host ints).
     regroup [M'] / regroup_inverse [M']: received retained rows -> grouped by local expert (None if R == 1).
-    group_sizes [E_l] (device) and group_sizes_host: retained rows per local expert.
+    group_sizes [E_l] (device) and group_sizes_host: retained rows per local expert (the host list is None
+    where the backward counted them on the device: one rank, the "threshold" allocation).
     """
     send_splits: List[int]
     recv_splits: List[int]
     regroup: Optional[torch.Tensor]
     regroup_inverse: Optional[torch.Tensor]
     group_sizes: torch.Tensor
-    group_sizes_host: List[int]
+    group_sizes_host: Optional[List[int]]
 
 
 class _GatherRows(torch.autograd.Function):
@@ -240,7 +241,7 @@ class AllToAllDispatcher:
         all-gather of the counts, and the host read of the exchange sizes."""
         R, E = self.ep_size, self.num_experts
         if R == 1:
-            return CompactPlan([], [], None, None, kept_sizes, []), kept_sizes
+            return CompactPlan([], [], None, None, kept_sizes, None), kept_sizes
         counts = kept_sizes.new_empty(R * E)
         COLLECTIVE_CALLS["all_gather"] += 1
         dist.all_gather_into_tensor(counts, kept_sizes.contiguous(), group=self.ep_group)
