@@ -284,7 +284,7 @@ class AllToAllDispatcher:
         :meth:`~lrmoe_ds.placement.ReplicaPlan.weight_exchange`: for each stacked weight [E_l, ...], [n, ...]
         in its receive order (one all-to-all for all of them)."""
         send, send_splits, recv_splits, _ = exchange
-        index = torch.tensor(send, dtype=torch.long, device=stacked[0].device)
+        index = to_device(torch.tensor(send, dtype=torch.long), stacked[0].device)
         flat = torch.cat([W.detach().index_select(0, index).flatten(1) for W in stacked], 1)
         got = _all_to_all(flat, recv_splits, send_splits, self.ep_group)
         sizes = [W[0].numel() for W in stacked]

@@ -18,11 +18,23 @@ summed into the home expert's before DeepSpeed reduces it (the weights cannot ch
 """
 import math
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
+from lrmoe_ds.dispatcher import to_device
 from lrmoe_ds.quotas import ALLOCATIONS, plan_quotas, rank_shares
+
+
+def _replica_slots(replica_expert: torch.Tensor, num_local_experts: int) -> Dict[int, List[int]]:
+    """{expert: the group slots of its replicas, in slot order} (group slot d * G + E_l + s for slot s of rank d)."""
+    G = num_local_experts + replica_expert.shape[1]
+    out: Dict[int, List[int]] = {}
+    for d, experts in enumerate(replica_expert.tolist()):
+        for s, e in enumerate(experts):
+            if e >= 0:
+                out.setdefault(e, []).append(d * G + num_local_experts + s)
+    return out
 
 
 @dataclass
@@ -61,11 +73,7 @@ class ReplicaPlan:
         """(group slot, rows) runs that source ``rank``'s retained rows fill, in their order (by expert; within
         an expert its instance on ``rank`` first, then the others by slot): what ``ops.capacity_route`` assigns."""
         R, G, El = self.ep_size, self.groups_per_rank, self.num_local_experts
-        replicas_of = {}
-        for d, experts in enumerate(self.replica_expert.tolist()):
-            for s, e in enumerate(experts):
-                if e >= 0:
-                    replicas_of.setdefault(e, []).append(d * G + El + s)
+        replicas_of = _replica_slots(self.replica_expert, El)
         mine = self.counts[rank].tolist()
         slots, rows = [], []
         for e in range(R * El):
@@ -79,7 +87,8 @@ class ReplicaPlan:
     def slot_of_rows(self, rank: int, num_rows: int, device) -> torch.Tensor:
         """[num_rows] the group slot of each of source ``rank``'s retained rows (grouped by expert)."""
         slots, rows = self.runs(rank)
-        return torch.repeat_interleave(torch.tensor(slots, device=device), torch.tensor(rows, device=device),
+        # through pinned memory: a plain host-list tensor on the GPU would wait for the stream
+        return torch.repeat_interleave(to_device(torch.tensor(slots), device), to_device(torch.tensor(rows), device),
                                        output_size=num_rows)
 
     def weight_exchange(self, rank: int) -> Tuple[List[int], List[int], List[int], List[int]]:
@@ -165,11 +174,7 @@ def route_counts(shares: torch.Tensor, replica_expert: torch.Tensor, capacity: t
     El = G - replica_expert.shape[1]
     shares = shares.detach().long().cpu()
     cap = capacity.reshape(-1).tolist()
-    replicas_of = {}
-    for d, experts in enumerate(replica_expert.tolist()):
-        for s, e in enumerate(experts):
-            if e >= 0:
-                replicas_of.setdefault(e, []).append(d * G + El + s)
+    replicas_of = _replica_slots(replica_expert, El)
     # experts with one instance (most of them): every row at home, as whole columns
     home_slot = (torch.arange(R * El) // El) * G + torch.arange(R * El) % El
     over = [e for e in (shares.sum(0) > capacity.reshape(-1)[home_slot]).nonzero().flatten().tolist()
