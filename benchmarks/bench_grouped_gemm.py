@@ -19,42 +19,34 @@ from timing import median_ms, median_ms_interleaved
 SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "glm-4.5-air": (4096, 1408, 128, 8)}
 
 
-# (LRMOE_GEMM_CONFIG, LRMOE_GEMM_RASTER, LRMOE_GEMM_SWIZZLE, LRMOE_GEMM_ORDER); the first is the default
-# (see gemm.cu); a name's "+rows" suffix lists the problems by their rows, most first (gemm_cutlass.cuh):
+# (LRMOE_GEMM_CONFIG, LRMOE_GEMM_RASTER, LRMOE_GEMM_SWIZZLE); the first is the default (see gemm.cu):
 # "coop" runs the cooperative 128x256x64 kernel in every pass, "pingpong" it for forward and dgrad only
 # (wgrad ping-pong 128x128x64, as by default); "m64" is the default kernels.
-VARIANTS = [("auto", "m", "1", "index"), ("coop", "m", "1", "index"), ("coop", "n", "2", "index"),
-            ("pingpong", "m", "1", "index"), ("m64", "n", "2", "index"), ("auto", "m", "1", "rows")]
-GEMM_VARS = ("LRMOE_GEMM_CONFIG", "LRMOE_GEMM_RASTER", "LRMOE_GEMM_SWIZZLE", "LRMOE_GEMM_ORDER")
-
-
-def variant_name(cfg, raster, swz, order):
-    return f"{cfg}-{raster}{swz}" + ("+rows" if order == "rows" else "")
+VARIANTS = [("auto", "m", "1"), ("coop", "m", "1"), ("coop", "n", "2"), ("pingpong", "m", "1"), ("m64", "n", "2")]
 
 
 def parse_variants(text):
-    """'auto-m1,pingpong-n2+rows' -> [("auto", "m", "1", "index"), ("pingpong", "n", "2", "rows")]; auto-m1
-    (the default) first."""
-    out = [VARIANTS[0]]
+    """'auto-m1,pingpong-n2' -> [("auto", "m", "1"), ("pingpong", "n", "2")]; auto-m1 (the default) first."""
+    out = [("auto", "m", "1")]
     for name in text.split(","):
-        name, by_rows = (name[:-5], True) if name.endswith("+rows") else (name, False)
-        cfg, tiles = name.rsplit("-", 1)
-        v = (cfg, tiles[0], tiles[1:], "rows" if by_rows else "index")
+        cfg, order = name.rsplit("-", 1)
+        v = (cfg, order[0], order[1:])
         if v not in out:
             out.append(v)
     return out
 
 
-def with_variant(fn, *variant):
+def with_variant(fn, cfg, raster, swz):
     """fn run under one scheduler variant (the extension reads the variables on every call)."""
     def run():
-        os.environ.update(zip(GEMM_VARS, variant))
+        os.environ["LRMOE_GEMM_CONFIG"], os.environ["LRMOE_GEMM_RASTER"], os.environ["LRMOE_GEMM_SWIZZLE"] = \
+            cfg, raster, swz
         fn()
     return run
 
 
 def clear_variant():
-    for var in GEMM_VARS:
+    for var in ("LRMOE_GEMM_CONFIG", "LRMOE_GEMM_RASTER", "LRMOE_GEMM_SWIZZLE"):
         os.environ.pop(var, None)
 
 
@@ -155,8 +147,8 @@ def bench_case(name, H, F, E, k, T, skew, gen, variants=VARIANTS, passes=("fwd",
             # drift of the clocks during the cell favours none of them
             fns = {"torch": theirs} if theirs is not None else {}
             fns.update({lay: with_variant(ours(pname, lay), *VARIANTS[0]) for lay in ("flat", "stacked")})
-            for v in variants:
-                fns[variant_name(*v)] = with_variant(ours(pname), *v)
+            for c, r, z in variants:
+                fns[f"{c}-{r}{z}"] = with_variant(ours(pname), c, r, z)
             timed = median_ms_interleaved(fns)
             clear_variant()
             t_torch = timed.pop("torch", float("nan"))
@@ -181,7 +173,7 @@ def main():
     p.add_argument("--no_variants", action="store_true", help="time the default scheduler only")
     p.add_argument("--variants", default=None,
                    help="kernel-scheduler variants to time, e.g. pingpong-n2,coop-m1 (default: " +
-                   ",".join(variant_name(*v) for v in VARIANTS) + ")")
+                   ",".join(f"{c}-{r}{z}" for c, r, z in VARIANTS) + ")")
     p.add_argument("--passes", default="fwd,dgrad,wgrad")
     args = p.parse_args()
     torch.manual_seed(0)
@@ -212,7 +204,7 @@ def report(rows, dense):
              "the order rotating per timing, so that clock drift favours none; 5 single calls for the loop). Variants: kernel coop "
              "(cooperative 128x256x64, torch._grouped_mm's, in every pass), pingpong (cooperative for forward and "
              "dgrad, ping-pong 128x128x64 for wgrad) (LRMOE_GEMM_CONFIG), raster "
-             "order m|n and swizzle 1|2|4 (LRMOE_GEMM_RASTER, LRMOE_GEMM_SWIZZLE), '+rows': the problems listed by their rows, most first (LRMOE_GEMM_ORDER=rows); the ratio column is the default, "
+             "order m|n and swizzle 1|2|4 (LRMOE_GEMM_RASTER, LRMOE_GEMM_SWIZZLE); the ratio column is the default, "
              "auto-m1 (ping-pong 64x256x64 for forward and dgrad, ping-pong 128x128x64 for wgrad), with each expert's weights allocated separately "
              "(as after module.to(device)), and for wgrad a separate output tensor per expert. 'flat W': the "
              "weights as views of one buffer in DeepSpeed ZeRO's order (expert 0's up and down weights, then expert "
