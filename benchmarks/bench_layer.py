@@ -7,7 +7,8 @@ dropless layer on torch._grouped_mm (the anchor), LRMoE exact and LRMoE with ret
 Per row: median of CUDA-event timings of a full forward + backward, the rows of a table timed in turns
 (timing.median_ms_interleaved: each round times every row once, in an order rotating per round, so that a
 drift of the GPU's clocks favours no row; the .grad reset and the layer's reconfiguration before each step
-are not timed); speed ratios
+are not timed; by default each timing is one step from an idle GPU, so the host's latency to the first
+kernel counts in full; `--back_to_back N` times N steps in a row instead); speed ratios
 (the anchor's, DeepSpeed's time / this time); the activation memory held after the forward and the
 peak memory of one forward + backward, both above what was allocated before the forward (layer and
 inputs; .grad is set to None before every step, as DeepSpeed's optimizers leave it), in GiB.
@@ -74,6 +75,11 @@ def parse_args(argv=None):
     p.add_argument("--allocations", nargs="+", choices=["waterfill", "proportional", "threshold"],
                    default=["waterfill"], help="quota_allocation of the enabled rows (each with every ratio)")
     p.add_argument("--reps", type=int, default=15, help="timed forward + backward steps per row")
+    p.add_argument("--back_to_back", type=int, default=1,
+                   help="steps per timing: 1 (default) times one step from an idle, synchronised GPU, so the "
+                        "host's latency to the first kernel counts in full; N > 1 times N steps back to back "
+                        "(the .grad reset inside each step), the host then running ahead of the GPU as it does "
+                        "when other layers' work fills the GPU in training")
     p.add_argument("--out", default=None, help="write the markdown here (rewritten after every table)")
     return p.parse_args(argv)
 
@@ -130,7 +136,9 @@ def clear_grads(layer):
     layer.zero_grad(set_to_none=True)
 
 
-def step(layer, x, grad):
+def step(layer, x, grad, clear=False):
+    if clear:  # back to back: each step's gradients replace the last's, as after an optimizer step
+        clear_grads(layer)
     layer(x.detach().requires_grad_(True))[0].backward(grad)
 
 
@@ -185,12 +193,19 @@ def main():
     dev, dt = "cuda", torch.bfloat16
     cuda_ok, why = ops.cuda_ops_status()
     specs = row_specs(args)
+    if args.back_to_back < 1:
+        raise SystemExit("--back_to_back must be >= 1")
+    back_to_back = args.back_to_back > 1
     cmd = " ".join(["python3 benchmarks/bench_layer.py"] + [shlex.quote(a) for a in sys.argv[1:]])
     lines = [f"# One MoE layer, forward + backward, {torch.cuda.get_device_name()}", "",
              f"Command: `{cmd}`", "",
              (f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, bf16; lrmoe_ds CUDA ops: "
              f"{'built' if cuda_ok else why}. Median of {args.reps} CUDA-event timings of forward + backward "
-             "(.grad set to None before each, untimed); "
+             + ("(.grad set to None before each, untimed; each timing one step from an idle GPU); "
+                if args.back_to_back == 1 else
+                f"(each timing the mean of {args.back_to_back} steps back to back, .grad set to None inside "
+                "every step: the host's latency overlaps the GPU's work as it does in a model of many layers); ")
+             + 
              f"retention rows: metric {args.metric}, router_grad {args.router_grad}, selection and the rest "
              "at their defaults."),
              ("speed vs X = X's time / this time (> 1: faster). held = activation memory: allocated after the "
@@ -245,11 +260,12 @@ def main():
                 try:
                     prepare(layer, block)()
                     mem[name] = memory(layer, x, grad)
-                    fns[name], setups[name] = (lambda layer=layer: step(layer, x, grad)), prepare(layer, block)
+                    fns[name], setups[name] = (lambda layer=layer: step(layer, x, grad, clear=back_to_back)), \
+                        prepare(layer, block)
                 except Exception as err:  # noqa: BLE001  (one failing row must not lose the others)
                     failed[name] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:120]}"
                 torch.cuda.empty_cache()
-            ms = median_ms_interleaved(fns, reps=args.reps, warmup=1, inner=1, setups=setups)
+            ms = median_ms_interleaved(fns, reps=args.reps, warmup=1, inner=args.back_to_back, setups=setups)
             for n in layers.values():
                 clear_grads(n)
             del x, grad
