@@ -134,21 +134,14 @@ size_t grouped_gemm(GemmPass pass, DType dtype, DType out_dtype, int64_t M, int6
     // tiles of the cooperative 128x256x64 kernel (torch._grouped_mm's): 5-18% faster on the H200.
     // wgrad (rows = the weight's, no ragged tile): ping-pong 128x128x64. LRMOE_GEMM_CONFIG (read per
     // call, for benchmarks and tests) forces: "coop" the cooperative kernel in every pass, "pingpong"
-    // the cooperative kernel for forward and dgrad (wgrad as by default), "m64" the default; "coop128"
-    // and "m64n128" the dgrad's 128-wide tiles (cooperative 128x128x64, ping-pong 64x128x64; the other
-    // passes as by default).
+    // the cooperative kernel for forward and dgrad (wgrad as by default), "m64" the default.
     const std::string cfg = env_or("LRMOE_GEMM_CONFIG", "auto");
-    if (cfg != "auto" && cfg != "m64" && cfg != "coop" && cfg != "pingpong" && cfg != "coop128" && cfg != "m64n128")
-      throw std::invalid_argument("LRMOE_GEMM_CONFIG must be auto, m64, coop, pingpong, coop128 or m64n128, not '" +
-                                  cfg + "'");
+    if (cfg != "auto" && cfg != "m64" && cfg != "coop" && cfg != "pingpong")
+      throw std::invalid_argument("LRMOE_GEMM_CONFIG must be auto, m64, coop or pingpong, not '" + cfg + "'");
     const bool coop = cfg == "coop";
-    const bool cooperative_fwd = coop || cfg == "pingpong";
-    auto dgrad = cfg == "coop128" ? cutlass_gemm::run_dgrad_coop128
-                 : cfg == "m64n128" ? cutlass_gemm::run_dgrad_m64n128
-                 : cooperative_fwd  ? cutlass_gemm::run_dgrad
-                                    : cutlass_gemm::run_dgrad_m64;
-    auto fn = pass == GemmPass::kFwd ? (cooperative_fwd ? cutlass_gemm::run_fwd : cutlass_gemm::run_fwd_m64)
-              : pass == GemmPass::kDgrad ? dgrad
+    const bool m64 = cfg == "auto" || cfg == "m64";
+    auto fn = pass == GemmPass::kFwd ? (m64 ? cutlass_gemm::run_fwd_m64 : cutlass_gemm::run_fwd)
+              : pass == GemmPass::kDgrad ? (m64 ? cutlass_gemm::run_dgrad_m64 : cutlass_gemm::run_dgrad)
                                          : (coop ? cutlass_gemm::run_wgrad : cutlass_gemm::run_wgrad_pingpong);
     return fn(M, N, K, G, a, b, group_ptrs, group_sizes, out, accumulate, t, bytes, stream);
   };

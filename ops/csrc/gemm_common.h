@@ -21,8 +21,7 @@ struct PtrChunk {
 
 namespace cutlass_gemm {  // per pass: cooperative 128x256x64 in gemm_<pass>_bf16.cu; for wgrad also
                           // ping-pong 128x128x64 in gemm_wgrad_pingpong_bf16.cu; forward and dgrad ping-pong
-                          // 64x256x64 in gemm_m64_bf16.cu; dgrad with 128-wide tiles in
-                          // gemm_dgrad_n128_bf16.cu; scratch bytes when temp == nullptr
+                          // 64x256x64 in gemm_m64_bf16.cu; scratch bytes when temp == nullptr
 #define LRMOE_CUTLASS_PASS(name)                                                                             \
   size_t name(int64_t M, int64_t N, int64_t K, int64_t G, const void* a, const void* b,                     \
               const void* const* group_ptrs, const int64_t* sizes, void* out,                               \
@@ -33,8 +32,6 @@ LRMOE_CUTLASS_PASS(run_wgrad);
 LRMOE_CUTLASS_PASS(run_wgrad_pingpong);
 LRMOE_CUTLASS_PASS(run_fwd_m64);
 LRMOE_CUTLASS_PASS(run_dgrad_m64);
-LRMOE_CUTLASS_PASS(run_dgrad_coop128);
-LRMOE_CUTLASS_PASS(run_dgrad_m64n128);
 }  // namespace cutlass_gemm
 
 }  // namespace lrmoe
