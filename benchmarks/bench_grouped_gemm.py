@@ -14,6 +14,7 @@ import sys
 import torch
 
 from lrmoe_ds import ops
+from lrmoe_ds.ops import cuda
 from timing import median_ms, median_ms_interleaved
 
 SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "glm-4.5-air": (4096, 1408, 128, 8)}
@@ -21,7 +22,8 @@ SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "glm-4.5-air": (4096, 1408, 128,
 
 # (LRMOE_GEMM_CONFIG, LRMOE_GEMM_RASTER, LRMOE_GEMM_SWIZZLE); the first is the default (see gemm.cu):
 # "coop" runs the cooperative 128x256x64 kernel in every pass, "pingpong" it for forward and dgrad only
-# (wgrad ping-pong 128x128x64, as by default); "m64" is the default kernels.
+# (wgrad ping-pong 128x128x64); "m64" ping-pong 64x256x64 for forward and dgrad, 128x128x64 for wgrad.
+# "auto" is m64 or coop by the device's memory bandwidth.
 VARIANTS = [("auto", "m", "1"), ("coop", "m", "1"), ("coop", "n", "2"), ("pingpong", "m", "1"), ("m64", "n", "2")]
 
 
@@ -197,6 +199,8 @@ def main():
 
 
 def report(rows, dense):
+    ext = cuda.load()
+    default_cfg, tbps = ext.gemm_default_config(), ext.peak_memory_tbps()
     lines = [f"# Segmented GEMM on {torch.cuda.get_device_name()} (torch {torch.__version__})", "",
              f"Command: `python3 benchmarks/bench_grouped_gemm.py {' '.join(sys.argv[1:])}` (bf16, fp32 accumulation; "
              "median of 15 CUDA-event "
@@ -204,8 +208,10 @@ def report(rows, dense):
              "the order rotating per timing, so that clock drift favours none; 5 single calls for the loop). Variants: kernel coop "
              "(cooperative 128x256x64, torch._grouped_mm's, in every pass), pingpong (cooperative for forward and "
              "dgrad, ping-pong 128x128x64 for wgrad) (LRMOE_GEMM_CONFIG), raster "
-             "order m|n and swizzle 1|2|4 (LRMOE_GEMM_RASTER, LRMOE_GEMM_SWIZZLE); the ratio column is the default, "
-             "auto-m1 (ping-pong 64x256x64 for forward and dgrad, ping-pong 128x128x64 for wgrad), with each expert's weights allocated separately "
+             "order m|n and swizzle 1|2|4 (LRMOE_GEMM_RASTER, LRMOE_GEMM_SWIZZLE), m64 (ping-pong 64x256x64 for "
+             "forward and dgrad, ping-pong 128x128x64 for wgrad); the ratio column is the default, auto-m1, which "
+             f"on this device is {default_cfg} (it picks m64 at >= 4.5 TB/s of peak memory bandwidth, coop below; "
+             f"this device: {tbps:.2f} TB/s), with each expert's weights allocated separately "
              "(as after module.to(device)), and for wgrad a separate output tensor per expert. 'flat W': the "
              "weights as views of one buffer in DeepSpeed ZeRO's order (expert 0's up and down weights, then expert "
              "1's...), as ZeRO-1/2 and the bf16 optimizer leave the parameters; 'stacked W': views of one [E, N, K] "

@@ -1,4 +1,5 @@
 // pybind11 binding of the lrmoe_ds CUDA ops; ops/cuda.py is the Python side.
+#include "kernels.h"
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -20,6 +21,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("pass"), pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("group_tensors"),
         pybind11::arg("group_sizes"), pybind11::arg("out"), pybind11::arg("accumulate"),
         pybind11::arg("allow_cutlass") = true);
+  m.def("gemm_default_config", &lrmoe::gemm_default_config,
+        "the segmented GEMM's default CUTLASS kernels on the current device: m64 or coop (gemm.cu)");
+  m.def("peak_memory_tbps", &lrmoe::peak_memory_tbps, "the current device's peak memory bandwidth, TB/s");
   m.def("split_groups", &lrmoe::split_groups_op,
         "buffer [G, ...] -> G tensors buffer[g] on its storage (plain tensors, not autograd views)");
 }

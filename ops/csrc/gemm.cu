@@ -108,6 +108,24 @@ size_t esize(DType t) { return t == DType::kF32 ? 4 : 2; }
 
 }  // namespace
 
+double peak_memory_tbps() {
+  int dev = 0, khz = 0, bits = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, dev);
+  cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, dev);
+  return 2.0 * khz * 1e3 * (bits / 8.0) / 1e12;  // double data rate
+}
+
+std::string gemm_default_config() {
+  constexpr int kMaxDevices = 64;
+  static std::string picked[kMaxDevices];  // per device, decided once
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 0 || dev >= kMaxDevices) return peak_memory_tbps() >= 4.5 ? "m64" : "coop";
+  if (picked[dev].empty()) picked[dev] = peak_memory_tbps() >= 4.5 ? "m64" : "coop";
+  return picked[dev];
+}
+
 bool grouped_gemm_uses_cutlass(GemmPass pass, DType dtype, DType out_dtype, int64_t N, int64_t K, int64_t G,
                                const void* a, const void* b, const void* const* group_ptrs, const void* out) {
   if (dtype != DType::kBF16 || out_dtype != DType::kBF16 || N % 8 || K % 8 || N == 0 || K == 0) return false;
@@ -129,17 +147,20 @@ size_t grouped_gemm(GemmPass pass, DType dtype, DType out_dtype, int64_t M, int6
   Scratch sc(temp);
   size_t gemm_bytes = 0;
   auto cutlass_run = [&](void* t, size_t bytes) {
-    // Kernel per pass (benchmarks/results/grouped_gemm_h200.md). Forward and dgrad: ping-pong 64x256x64.
-    // A group's last row tile is partly empty, and 64-row tiles leave half as much empty as the 128-row
-    // tiles of the cooperative 128x256x64 kernel (torch._grouped_mm's): 5-18% faster on the H200.
-    // wgrad (rows = the weight's, no ragged tile): ping-pong 128x128x64. LRMOE_GEMM_CONFIG (read per
-    // call, for benchmarks and tests) forces: "coop" the cooperative kernel in every pass, "pingpong"
-    // the cooperative kernel for forward and dgrad (wgrad as by default), "m64" the default.
-    const std::string cfg = env_or("LRMOE_GEMM_CONFIG", "auto");
+    // Kernels per pass. "m64": ping-pong 64x256x64 for forward and dgrad (a group's last row tile is partly
+    // empty, and 64-row tiles leave half as much empty as 128-row ones), ping-pong 128x128x64 for wgrad.
+    // "coop": CUTLASS's cooperative 128x256x64 in every pass, torch._grouped_mm's. "pingpong": cooperative
+    // forward and dgrad, ping-pong wgrad. "auto" (the default) picks by the device's memory: on an H200
+    // (4.8 TB/s) "m64" was 2-18% faster than "coop" in most forward and dgrad cells, on an H100 (3.35 TB/s)
+    // up to 27% slower at GLM-4.5-Air's shapes, where "coop" matched torch
+    // (benchmarks/results/grouped_gemm_h200_1205.md, grouped_gemm_dgrad128_h100.md). LRMOE_GEMM_CONFIG,
+    // read per call for benchmarks and tests, forces one.
+    std::string cfg = env_or("LRMOE_GEMM_CONFIG", "auto");
     if (cfg != "auto" && cfg != "m64" && cfg != "coop" && cfg != "pingpong")
       throw std::invalid_argument("LRMOE_GEMM_CONFIG must be auto, m64, coop or pingpong, not '" + cfg + "'");
+    if (cfg == "auto") cfg = gemm_default_config();
     const bool coop = cfg == "coop";
-    const bool m64 = cfg == "auto" || cfg == "m64";
+    const bool m64 = cfg == "m64";
     auto fn = pass == GemmPass::kFwd ? (m64 ? cutlass_gemm::run_fwd_m64 : cutlass_gemm::run_fwd)
               : pass == GemmPass::kDgrad ? (m64 ? cutlass_gemm::run_dgrad_m64 : cutlass_gemm::run_dgrad)
                                          : (coop ? cutlass_gemm::run_wgrad : cutlass_gemm::run_wgrad_pingpong);

@@ -87,6 +87,10 @@ enum class GemmPass : int { kFwd = 0, kDgrad = 1, kWgrad = 2 };
 size_t grouped_gemm(GemmPass pass, DType dtype, DType out_dtype, int64_t M, int64_t N, int64_t K, int64_t G,
                     const void* a, const void* b, const void* const* group_ptrs, const int64_t* group_sizes,
                     void* out, bool accumulate, bool allow_cutlass, void* temp, size_t temp_bytes, cudaStream_t stream);
+// The CUTLASS kernels grouped_gemm runs by default on the current device: "m64" or "coop" (see gemm.cu),
+// and the device's peak memory bandwidth in TB/s that decides it.
+std::string gemm_default_config();
+double peak_memory_tbps();
 // Which path grouped_gemm takes for these arguments: true for the CUTLASS (TMA, wgmma) kernel.
 bool grouped_gemm_uses_cutlass(GemmPass pass, DType dtype, DType out_dtype, int64_t N, int64_t K, int64_t G,
                                const void* a, const void* b, const void* const* group_ptrs, const void* out);

@@ -44,3 +44,16 @@ def test_bad_input(ext, monkeypatch):
         ops.grouped_linear(x[:, :8].contiguous(), ws, torch.tensor([4, 4], device="cuda"), backend="cuda")
     with pytest.raises(RuntimeError, match="weight 1 must be c10::BFloat16|weight 1 must be BFloat16"):
         ops.grouped_linear(x, [ws[0], ws[1].float()], torch.tensor([4, 4], device="cuda"), backend="cuda")
+
+
+def test_default_kernels_follow_the_memory_bandwidth(ext):
+    """The default CUTLASS kernels are chosen by the device's peak memory bandwidth (gemm.cu): a bandwidth
+    read as 0 (an attribute the driver no longer reports) would silently pick the other kernels."""
+    tbps = ext.peak_memory_tbps()
+    props = torch.cuda.get_device_properties(0)
+    assert 1.0 < tbps < 20.0, f"{props.name}: peak memory bandwidth read as {tbps} TB/s"
+    assert ext.gemm_default_config() == ("m64" if tbps >= 4.5 else "coop")
+    if "H200" in props.name:  # where the 64-row kernels were measured faster
+        assert ext.gemm_default_config() == "m64"
+    if "H100" in props.name and "NVL" not in props.name:
+        assert ext.gemm_default_config() == "coop"
