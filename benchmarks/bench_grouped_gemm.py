@@ -23,13 +23,19 @@ SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "glm-4.5-air": (4096, 1408, 128,
 # (LRMOE_GEMM_CONFIG, LRMOE_GEMM_RASTER, LRMOE_GEMM_SWIZZLE); the first is the default (see gemm.cu):
 # "coop" runs the cooperative 128x256x64 kernel in every pass, "pingpong" it for forward and dgrad only
 # (wgrad ping-pong 128x128x64); "m64" ping-pong 64x256x64 for forward and dgrad, 128x128x64 for wgrad.
-# "auto" is m64 or coop by the device's memory bandwidth.
-VARIANTS = [("auto", "m", "1"), ("coop", "m", "1"), ("coop", "n", "2"), ("pingpong", "m", "1"), ("m64", "n", "2")]
+# "auto" is m64 or coop by the device's memory bandwidth. "default" sets none of the three (auto, and the tile
+# order by pass: along M for forward and dgrad, along N with swizzle 2 for wgrad).
+DEFAULT = ("default", "", "")
+VARIANTS = [DEFAULT, ("coop", "m", "1"), ("coop", "n", "2"), ("pingpong", "m", "1"), ("m64", "m", "1"), ("m64", "n", "2")]
+
+
+def variant_name(cfg, raster, swz):
+    return cfg if (cfg, raster, swz) == DEFAULT else f"{cfg}-{raster}{swz}"
 
 
 def parse_variants(text):
-    """'auto-m1,pingpong-n2' -> [("auto", "m", "1"), ("pingpong", "n", "2")]; auto-m1 (the default) first."""
-    out = [("auto", "m", "1")]
+    """'auto-m1,pingpong-n2' -> [DEFAULT, ("auto", "m", "1"), ("pingpong", "n", "2")]: the default first."""
+    out = [DEFAULT]
     for name in text.split(","):
         cfg, order = name.rsplit("-", 1)
         v = (cfg, order[0], order[1:])
@@ -41,8 +47,11 @@ def parse_variants(text):
 def with_variant(fn, cfg, raster, swz):
     """fn run under one scheduler variant (the extension reads the variables on every call)."""
     def run():
-        os.environ["LRMOE_GEMM_CONFIG"], os.environ["LRMOE_GEMM_RASTER"], os.environ["LRMOE_GEMM_SWIZZLE"] = \
-            cfg, raster, swz
+        if (cfg, raster, swz) == DEFAULT:
+            clear_variant()
+        else:
+            os.environ["LRMOE_GEMM_CONFIG"], os.environ["LRMOE_GEMM_RASTER"], os.environ["LRMOE_GEMM_SWIZZLE"] = \
+                cfg, raster, swz
         fn()
     return run
 
@@ -150,12 +159,12 @@ def bench_case(name, H, F, E, k, T, skew, gen, variants=VARIANTS, passes=("fwd",
             fns = {"torch": theirs} if theirs is not None else {}
             fns.update({lay: with_variant(ours(pname, lay), *VARIANTS[0]) for lay in ("flat", "stacked")})
             for c, r, z in variants:
-                fns[f"{c}-{r}{z}"] = with_variant(ours(pname), c, r, z)
+                fns[variant_name(c, r, z)] = with_variant(ours(pname), c, r, z)
             timed = median_ms_interleaved(fns)
             clear_variant()
             t_torch = timed.pop("torch", float("nan"))
             t_flat, t_stacked = timed.pop("flat"), timed.pop("stacked")
-            t_ours = timed["auto-m1"]
+            t_ours = timed["default"]
             best = min(timed, key=timed.get)
             t_loop = median_ms(loop, reps=5, warmup=1, inner=1)
             rows.append((name, T, skew, proj, pname, M, N, K, t_ours, flops / t_ours / 1e9, t_torch,
@@ -209,9 +218,10 @@ def report(rows, dense):
              "(cooperative 128x256x64, torch._grouped_mm's, in every pass), pingpong (cooperative for forward and "
              "dgrad, ping-pong 128x128x64 for wgrad) (LRMOE_GEMM_CONFIG), raster "
              "order m|n and swizzle 1|2|4 (LRMOE_GEMM_RASTER, LRMOE_GEMM_SWIZZLE), m64 (ping-pong 64x256x64 for "
-             "forward and dgrad, ping-pong 128x128x64 for wgrad); the ratio column is the default, auto-m1, which "
-             f"on this device is {default_cfg} (it picks m64 at >= 4.5 TB/s of peak memory bandwidth, coop below; "
-             f"this device: {tbps:.2f} TB/s), with each expert's weights allocated separately "
+             "forward and dgrad, ping-pong 128x128x64 for wgrad); the ratio column is the default ('default': "
+             f"LRMOE_GEMM_CONFIG auto, which on this device is {default_cfg} (m64 at >= 4.5 TB/s of peak memory "
+             f"bandwidth, coop below; this device: {tbps:.2f} TB/s), tiles along M for forward and dgrad, along "
+             "N with swizzle 2 for wgrad), with each expert's weights allocated separately "
              "(as after module.to(device)), and for wgrad a separate output tensor per expert. 'flat W': the "
              "weights as views of one buffer in DeepSpeed ZeRO's order (expert 0's up and down weights, then expert "
              "1's...), as ZeRO-1/2 and the bf16 optimizer leave the parameters; 'stacked W': views of one [E, N, K] "

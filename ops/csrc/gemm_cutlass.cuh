@@ -159,10 +159,14 @@ size_t run(GemmPass pass, int64_t M, int64_t N, int64_t K, int64_t G, const void
                                   {fusion, accumulate ? pc : nullptr, sd, pd, sd},
                                   hw};
   // Tile order of the persistent scheduler (read per call, so benchmarks can compare):
-  // LRMOE_GEMM_RASTER=m|n (default m: consecutive tiles walk down M and share the weight tile),
-  // LRMOE_GEMM_SWIZZLE=1|2|4|8 (default 1).
-  const std::string raster = env_or("LRMOE_GEMM_RASTER", "m");
-  const std::string swizzle = env_or("LRMOE_GEMM_SWIZZLE", "1");
+  // LRMOE_GEMM_RASTER=m|n, LRMOE_GEMM_SWIZZLE=1|2|4|8. By default forward and dgrad walk down M (consecutive
+  // tiles share the weight tile), swizzle 1; wgrad walks along N with swizzle 2, which was faster than M on
+  // the H200 in 10 of 16 wgrad cells (up to 20%, at GLM-4.5-Air's skewed 16k; slower in 4, by 3% at most) and
+  // on the H100 in 11 (slower in 2, by 10% in one) (benchmarks/results/grouped_gemm_h200_1205.md,
+  // grouped_gemm_wgrad_raster_h100.md; both with the ping-pong 128x128x64 wgrad kernel).
+  const bool wgrad = pass == GemmPass::kWgrad;
+  const std::string raster = env_or("LRMOE_GEMM_RASTER", wgrad ? "n" : "m");
+  const std::string swizzle = env_or("LRMOE_GEMM_SWIZZLE", wgrad ? "2" : "1");
   if (raster != "m" && raster != "n")
     throw std::invalid_argument("LRMOE_GEMM_RASTER must be m or n, not '" + raster + "'");
   if (swizzle != "1" && swizzle != "2" && swizzle != "4" && swizzle != "8")
