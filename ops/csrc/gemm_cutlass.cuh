@@ -171,7 +171,7 @@ size_t run(GemmPass pass, int64_t M, int64_t N, int64_t K, int64_t G, const void
     throw std::invalid_argument("LRMOE_GEMM_RASTER must be m or n, not '" + raster + "'");
   if (swizzle != "1" && swizzle != "2" && swizzle != "4" && swizzle != "8")
     throw std::invalid_argument("LRMOE_GEMM_SWIZZLE must be 1, 2, 4 or 8, not '" + swizzle + "'");
-  using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
+  using Raster = decltype(args.scheduler.raster_order);  // its namespace moved between CUTLASS versions
   args.scheduler.raster_order = raster == "n" ? Raster::AlongN : Raster::AlongM;
   args.scheduler.max_swizzle_size = std::stoi(swizzle);
   const size_t workspace_bytes = Gemm::get_workspace_size(args);
