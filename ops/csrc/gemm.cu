@@ -90,13 +90,19 @@ __global__ void __launch_bounds__(256) simt_grouped_gemm_kernel(GemmPass pass, i
     }
 }
 
-// wgrad overwrite: the CUTLASS path gives an empty group no tiles, so its gradient is zeroed here. Few blocks,
-// each walking the chunk's groups: usually none is empty, and a grid of a block per (group, slice) cost 6 us
-// of early exits per call on the H100 (benchmarks/results/profile_gemm_h100.md).
+// wgrad overwrite: the CUTLASS path gives an empty group no tiles, so its gradient is zeroed here. Usually no
+// group is empty, so the kernel must cost little then: each block reads the chunk's sizes at once (one per
+// thread: blockDim.x == kPtrChunk) and leaves unless one is 0. A block per (group, slice) cost 6 us of early
+// exits per call on the H100, and blocks reading the sizes one after another 17 us on the H200
+// (benchmarks/results/profile_gemm_h*.md).
 __global__ void zero_empty_groups_kernel(int64_t g0, int64_t count, PtrChunk ptrs, const int64_t* sizes,
                                          int64_t bytes) {
+  __shared__ bool empty[kPtrChunk];
+  const bool mine = threadIdx.x < count && sizes[g0 + threadIdx.x] == 0;
+  empty[threadIdx.x] = mine;
+  if (!__syncthreads_or(mine)) return;
   for (int64_t g = 0; g < count; ++g) {
-    if (sizes[g0 + g] > 0) continue;
+    if (!empty[g]) continue;
     uint4* p = static_cast<uint4*>(const_cast<void*>(ptrs.p[g]));
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < bytes / 16; i += (int64_t)gridDim.x * blockDim.x)
       p[i] = make_uint4(0, 0, 0, 0);
@@ -131,6 +137,28 @@ std::string gemm_default_config() {
   return picked[dev];
 }
 
+std::string gemm_config(GemmPass pass, int64_t M, int64_t K, int64_t G) {
+  // Kernels per pass. "m64": ping-pong 64x256x64 for forward and dgrad (a group's last row tile is partly
+  // empty, and 64-row tiles leave half as much empty as 128-row ones), ping-pong 128x128x64 for wgrad.
+  // "coop": CUTLASS's cooperative 128x256x64 in every pass, torch._grouped_mm's. "pingpong": cooperative
+  // forward and dgrad, ping-pong wgrad. "auto" (the default) picks by the device's memory: on an H200
+  // (4.8 TB/s) "m64" was 2-18% faster than "coop" in most forward and dgrad cells, on an H100 (3.35 TB/s)
+  // up to 27% slower at GLM-4.5-Air's shapes, where "coop" matched torch
+  // (benchmarks/results/grouped_gemm_h200_1205.md, grouped_gemm_dgrad128_h100.md). LRMOE_GEMM_CONFIG,
+  // read per call for benchmarks and tests, forces one.
+  const std::string forced = env_or("LRMOE_GEMM_CONFIG", "auto");
+  if (forced != "auto" && forced != "m64" && forced != "coop" && forced != "pingpong")
+    throw std::invalid_argument("LRMOE_GEMM_CONFIG must be auto, m64, coop or pingpong, not '" + forced + "'");
+  if (forced != "auto") return forced;
+  const std::string cfg = gemm_default_config();
+  // A dgrad whose output width leaves a half-empty last 256-wide tile (GLM-4.5-Air's 1408 columns) with about
+  // 1k rows per group ran 4-8% faster on the cooperative kernel than on m64 in both H200 runs at 16k tokens
+  // (0.97-0.99 of torch against 0.90-0.95); at about 512 rows m64 was as fast or faster
+  // (grouped_gemm_h200_1205.md, grouped_gemm_h200_1205b.md).
+  if (cfg == "m64" && pass == GemmPass::kDgrad && K % 256 != 0 && M >= 768 * G) return "coop";
+  return cfg;
+}
+
 bool grouped_gemm_uses_cutlass(GemmPass pass, DType dtype, DType out_dtype, int64_t N, int64_t K, int64_t G,
                                const void* a, const void* b, const void* const* group_ptrs, const void* out) {
   if (dtype != DType::kBF16 || out_dtype != DType::kBF16 || N % 8 || K % 8 || N == 0 || K == 0) return false;
@@ -152,18 +180,7 @@ size_t grouped_gemm(GemmPass pass, DType dtype, DType out_dtype, int64_t M, int6
   Scratch sc(temp);
   size_t gemm_bytes = 0;
   auto cutlass_run = [&](void* t, size_t bytes) {
-    // Kernels per pass. "m64": ping-pong 64x256x64 for forward and dgrad (a group's last row tile is partly
-    // empty, and 64-row tiles leave half as much empty as 128-row ones), ping-pong 128x128x64 for wgrad.
-    // "coop": CUTLASS's cooperative 128x256x64 in every pass, torch._grouped_mm's. "pingpong": cooperative
-    // forward and dgrad, ping-pong wgrad. "auto" (the default) picks by the device's memory: on an H200
-    // (4.8 TB/s) "m64" was 2-18% faster than "coop" in most forward and dgrad cells, on an H100 (3.35 TB/s)
-    // up to 27% slower at GLM-4.5-Air's shapes, where "coop" matched torch
-    // (benchmarks/results/grouped_gemm_h200_1205.md, grouped_gemm_dgrad128_h100.md). LRMOE_GEMM_CONFIG,
-    // read per call for benchmarks and tests, forces one.
-    std::string cfg = env_or("LRMOE_GEMM_CONFIG", "auto");
-    if (cfg != "auto" && cfg != "m64" && cfg != "coop" && cfg != "pingpong")
-      throw std::invalid_argument("LRMOE_GEMM_CONFIG must be auto, m64, coop or pingpong, not '" + cfg + "'");
-    if (cfg == "auto") cfg = gemm_default_config();
+    const std::string cfg = gemm_config(pass, M, K, G);
     const bool coop = cfg == "coop";
     const bool m64 = cfg == "m64";
     auto fn = pass == GemmPass::kFwd ? (m64 ? cutlass_gemm::run_fwd_m64 : cutlass_gemm::run_fwd)
@@ -181,7 +198,7 @@ size_t grouped_gemm(GemmPass pass, DType dtype, DType out_dtype, int64_t M, int6
       const int64_t nbytes = N * K * 2;  // N * K % 8 == 0: whole 16-byte words
       for (int64_t g0 = 0; g0 < G; g0 += kPtrChunk) {
         const unsigned blocks = (unsigned)std::min<int64_t>((nbytes / 16 + 255) / 256, 64);
-        zero_empty_groups_kernel<<<blocks, 256, 0, stream>>>(g0, std::min<int64_t>(kPtrChunk, G - g0),
+        zero_empty_groups_kernel<<<blocks, kPtrChunk, 0, stream>>>(g0, std::min<int64_t>(kPtrChunk, G - g0),
                                                              chunk_at(group_ptrs, g0, G), group_sizes, nbytes);
         LRMOE_LAUNCH_CHECK("grouped_gemm: zero empty groups");
       }

@@ -91,6 +91,9 @@ size_t grouped_gemm(GemmPass pass, DType dtype, DType out_dtype, int64_t M, int6
 // and the device's peak memory bandwidth in TB/s that decides it.
 std::string gemm_default_config();
 double peak_memory_tbps();
+// The CUTLASS kernels grouped_gemm runs for one call ("m64", "coop" or "pingpong"): LRMOE_GEMM_CONFIG if set,
+// else the device's default, adjusted by the pass and shape (dgrad output width K, M rows over G groups).
+std::string gemm_config(GemmPass pass, int64_t M, int64_t K, int64_t G);
 // Which path grouped_gemm takes for these arguments: true for the CUTLASS (TMA, wgmma) kernel.
 bool grouped_gemm_uses_cutlass(GemmPass pass, DType dtype, DType out_dtype, int64_t N, int64_t K, int64_t G,
                                const void* a, const void* b, const void* const* group_ptrs, const void* out);

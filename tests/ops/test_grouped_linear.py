@@ -57,3 +57,34 @@ def test_default_kernels_follow_the_memory_bandwidth(ext):
         assert ext.gemm_default_config() == "m64"
     if "H100" in props.name and "NVL" not in props.name:
         assert ext.gemm_default_config() == "coop"
+
+
+def test_kernels_per_call_follow_pass_and_shape(ext, monkeypatch):
+    """gemm_config: the device's default, except a dgrad of a width that is no multiple of 256 with >= 768 rows
+    per group, which runs the cooperative kernel where the default is m64; LRMOE_GEMM_CONFIG overrides all."""
+    monkeypatch.delenv("LRMOE_GEMM_CONFIG", raising=False)
+    default = ext.gemm_default_config()
+    glm_down = 1408  # GLM-4.5-Air's expert width: the down projection's dgrad output
+    assert ext.gemm_config(1, 131072, glm_down, 128) == "coop"  # 1024 rows per group
+    assert ext.gemm_config(1, 65536, glm_down, 128) == default  # 512 rows per group
+    assert ext.gemm_config(1, 131072, 2048, 128) == default  # a whole number of 256-wide tiles
+    assert ext.gemm_config(0, 131072, glm_down, 128) == default  # forward: K is the reduction there
+    monkeypatch.setenv("LRMOE_GEMM_CONFIG", "m64")
+    assert ext.gemm_config(1, 131072, glm_down, 128) == "m64"
+    monkeypatch.setenv("LRMOE_GEMM_CONFIG", "bogus")
+    with pytest.raises(ValueError, match="LRMOE_GEMM_CONFIG must be"):
+        ext.gemm_config(0, 8, 8, 1)
+
+
+def test_dgrad_at_glm_down_width_matches_reference(ext, rel_fro, monkeypatch):
+    """The dgrad shape that gemm_config moves to the cooperative kernel on m64 devices, end to end through the
+    default path (G groups of ~1k rows, output width 1408), against the fp64 reference."""
+    monkeypatch.delenv("LRMOE_GEMM_CONFIG", raising=False)
+    gen = torch.Generator().manual_seed(7)
+    sizes = torch.tensor([1100, 0, 1300, 1201])  # 900 rows per group on average, one group empty
+    assert ext.gemm_config(1, int(sizes.sum()), 1408, 4) == "coop"
+    dy = torch.randn(int(sizes.sum()), 256, generator=gen).bfloat16()
+    ws = [(torch.randn(256, 1408, generator=gen) / 16).bfloat16() for _ in range(4)]
+    out = ops.grouped_linear_dgrad(dy.cuda(), [w.cuda() for w in ws], sizes.cuda(), backend="cuda")
+    ref = reference.grouped_linear_dgrad(dy.double(), [w.double() for w in ws], sizes)
+    assert rel_fro(out, ref) < 1e-2
