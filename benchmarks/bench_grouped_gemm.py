@@ -210,7 +210,8 @@ def main():
 def report(rows, dense):
     ext = cuda.load()
     default_cfg, tbps = ext.gemm_default_config(), ext.peak_memory_tbps()
-    lines = [f"# Segmented GEMM on {torch.cuda.get_device_name()} (torch {torch.__version__})", "",
+    lines = [f"# Segmented GEMM on {torch.cuda.get_device_name()} (torch {torch.__version__}, "
+             f"our kernels built with CUTLASS {ext.cutlass_version()})", "",
              f"Command: `python3 benchmarks/bench_grouped_gemm.py {' '.join(sys.argv[1:])}` (bf16, fp32 accumulation; "
              "median of 15 CUDA-event "
              "timings of 5 back-to-back calls each, torch._grouped_mm and every column of ours timed in turns with "

@@ -29,6 +29,7 @@ from torch import nn
 
 import lrmoe_ds
 from lrmoe_ds import ops
+from lrmoe_ds.ops import cuda
 
 SHAPES = {  # --shapes name: (title, hidden, expert ffn (SwiGLU), experts, top-k)
     "qwen3-30b-a3b": ("Qwen3-30B-A3B", 2048, 768, 128, 8),
@@ -200,7 +201,7 @@ def main():
     lines = [f"# One MoE layer, forward + backward, {torch.cuda.get_device_name()}", "",
              f"Command: `{cmd}`", "",
              (f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, bf16; lrmoe_ds CUDA ops: "
-             f"{'built' if cuda_ok else why}. Median of {args.reps} CUDA-event timings of forward + backward "
+             f"{'built with CUTLASS ' + cuda.load().cutlass_version() if cuda_ok else why}. Median of {args.reps} CUDA-event timings of forward + backward "
              + ("(.grad set to None before each, untimed; each timing one step from an idle GPU); "
                 if args.back_to_back == 1 else
                 f"(each timing the mean of {args.back_to_back} steps back to back, .grad set to None inside "

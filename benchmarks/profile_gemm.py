@@ -72,7 +72,7 @@ def main():
     ext = cuda.load()
     lines = [f"# Segmented GEMM kernels against torch._grouped_mm, {torch.cuda.get_device_name()}", "",
              f"Command: `python3 benchmarks/profile_gemm.py {' '.join(sys.argv[1:])}` (torch {torch.__version__}; "
-             f"our default kernels here: {ext.gemm_default_config()}, peak memory bandwidth "
+             f"our default kernels here: {ext.gemm_default_config()}, built with CUTLASS {ext.cutlass_version()}, peak memory bandwidth "
              f"{ext.peak_memory_tbps():.2f} TB/s). Per cell: the wall time per call (median of CUDA-event timings "
              f"of 5 calls back to back, the two timed in turns) and, under torch.profiler over {args.calls} "
              "calls, every kernel's device time per launch and its launches per call.", ""]

@@ -8,6 +8,7 @@ changed). CUTLASS headers come from ``CUTLASS_PATH`` (a CUTLASS checkout) or the
 """
 import glob
 import os
+import re
 
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder
 
@@ -33,6 +34,14 @@ def cutlass_include_dirs():
         looked.append(os.path.join(root, "include"))
     raise RuntimeError("CUTLASS headers not found; looked in: " + "; ".join(looked) +
                        ". Set CUTLASS_PATH to a CUTLASS checkout or install nvidia-cutlass.")
+
+
+def cutlass_version(include_dirs=None):
+    """The CUTLASS release ("4.2.0") of the headers the build uses, from cutlass/version.h."""
+    include = (include_dirs or cutlass_include_dirs())[0]
+    with open(os.path.join(include, "cutlass", "version.h")) as f:
+        fields = dict(re.findall(r"#define CUTLASS_(MAJOR|MINOR|PATCH) (\d+)", f.read()))
+    return f"{fields['MAJOR']}.{fields['MINOR']}.{fields['PATCH']}"
 
 
 def cxx_std():

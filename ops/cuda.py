@@ -9,6 +9,7 @@ the host, once, after all of its kernels have been queued.
 """
 import importlib
 import threading
+import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -37,7 +38,20 @@ def load():
                     _ext = LRMoEOpBuilder().load(verbose=False)
                 except Exception as exc:
                     raise RuntimeError(f"building the lrmoe_ds CUDA ops failed: {type(exc).__name__}: {exc}") from exc
+            _warn_if_untuned_cutlass(_ext.cutlass_version())
     return _ext
+
+
+TUNED_CUTLASS = "4.2.0"  # the release the kernel choices in csrc/gemm.cu were measured with
+
+
+def _warn_if_untuned_cutlass(version: str):
+    # Other releases compile but change the kernels' speed: with 4.5.0 the default wgrad ran up to 26% slower
+    # (benchmarks/results/grouped_gemm_h100_cutlass45_ab.md), with 3.8.0 the median ratio to
+    # torch._grouped_mm fell from 0.99 to 0.94 (grouped_gemm_h100_cutlass38.md).
+    if version != TUNED_CUTLASS:
+        warnings.warn(f"lrmoe_ds CUDA ops built with CUTLASS {version}; their kernel choices were measured with "
+                      f"{TUNED_CUTLASS} (pip install nvidia-cutlass=={TUNED_CUTLASS}.0 --no-deps, CUTLASS_PATH unset)")
 
 
 def _long_on(t: torch.Tensor, device) -> torch.Tensor:

@@ -27,6 +27,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           return lrmoe::gemm_config(static_cast<lrmoe::GemmPass>(pass), M, K, G); },
         "the CUTLASS kernels the segmented GEMM runs for pass (0 fwd, 1 dgrad, 2 wgrad), M rows, K (the dgrad's "
         "output width) and G groups", pybind11::arg("pass"), pybind11::arg("M"), pybind11::arg("K"), pybind11::arg("G"));
+  m.def("cutlass_version", &lrmoe::cutlass_version, "the CUTLASS release the kernels were built with");
   m.def("peak_memory_tbps", &lrmoe::peak_memory_tbps, "the current device's peak memory bandwidth, TB/s");
   m.def("split_groups", &lrmoe::split_groups_op,
         "buffer [G, ...] -> G tensors buffer[g] on its storage (plain tensors, not autograd views)");

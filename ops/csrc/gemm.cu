@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "cutlass/version.h"
 #include "gemm_common.h"
 
 namespace lrmoe {
@@ -125,6 +126,10 @@ double peak_memory_tbps() {
   cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, dev);
   cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, dev);
   return 2.0 * khz * 1e3 * (bits / 8.0) / 1e12;  // double data rate
+}
+
+std::string cutlass_version() {
+  return std::to_string(CUTLASS_MAJOR) + "." + std::to_string(CUTLASS_MINOR) + "." + std::to_string(CUTLASS_PATCH);
 }
 
 std::string gemm_default_config() {

@@ -90,6 +90,8 @@ size_t grouped_gemm(GemmPass pass, DType dtype, DType out_dtype, int64_t M, int6
 // The CUTLASS kernels grouped_gemm runs by default on the current device: "m64" or "coop" (see gemm.cu),
 // and the device's peak memory bandwidth in TB/s that decides it.
 std::string gemm_default_config();
+// The CUTLASS release whose headers the kernels were built with (CUTLASS_PATH or the nvidia-cutlass wheel).
+std::string cutlass_version();
 double peak_memory_tbps();
 // The CUTLASS kernels grouped_gemm runs for one call ("m64", "coop" or "pingpong"): LRMOE_GEMM_CONFIG if set,
 // else the device's default, adjusted by the pass and shape (dgrad output width K, M rows over G groups).

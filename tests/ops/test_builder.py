@@ -35,6 +35,8 @@ def test_include_paths_and_flags(builder_module):
         pytest.skip(f"CUTLASS headers not installed: {exc}")
     assert os.path.isfile(os.path.join(roots[0], "cutlass", "gemm", "group_array_problem_shape.hpp"))
     assert os.path.isdir(os.path.join(roots[1], "cutlass", "util"))
+    major, minor, patch = builder_module.cutlass_version(roots).split(".")
+    assert int(major) >= 3 and minor.isdigit() and patch.isdigit()
     b = builder_module.LRMoEOpBuilder()
     paths = b.include_paths()
     assert all(os.path.isabs(p) and os.path.isdir(p) for p in paths)
@@ -53,3 +55,14 @@ def test_missing_cutlass_is_a_clear_error(builder_module, monkeypatch, tmp_path)
     b = builder_module.LRMoEOpBuilder()
     assert not b.is_compatible()
     assert "CUTLASS" in b.error_log
+
+
+def test_other_cutlass_release_warns_once_built():
+    """The kernel choices were measured with one CUTLASS release; a build with another says so."""
+    import warnings
+    from lrmoe_ds.ops import cuda
+    with pytest.warns(UserWarning, match=r"built with CUTLASS 4\.5\.0.*measured with 4\.2\.0"):
+        cuda._warn_if_untuned_cutlass("4.5.0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cuda._warn_if_untuned_cutlass(cuda.TUNED_CUTLASS)

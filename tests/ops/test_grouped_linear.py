@@ -59,6 +59,13 @@ def test_default_kernels_follow_the_memory_bandwidth(ext):
         assert ext.gemm_default_config() == "coop"
 
 
+def test_built_with_the_cutlass_headers_found(ext):
+    """The extension reports the CUTLASS release it was compiled with: the one the builder finds now
+    (CUTLASS_PATH or the nvidia-cutlass wheel), so benchmarks name the headers that made their kernels."""
+    from lrmoe_ds.ops.builder import cutlass_version
+    assert ext.cutlass_version() == cutlass_version()
+
+
 def test_kernels_per_call_follow_pass_and_shape(ext, monkeypatch):
     """gemm_config: the device's default, except a dgrad of a width that is no multiple of 256 with >= 768 rows
     per group, which runs the cooperative kernel where the default is m64; LRMOE_GEMM_CONFIG overrides all."""
