@@ -96,6 +96,24 @@ def weight_layouts(E, shapes):
     return {"separate": separate, "flat": flat_views, "stacked": [list(W.unbind(0)) for W in stacked]}, stacked
 
 
+def ours_call(pname, x, dy, ws, sizes_d, grads):
+    """One pass of our segmented GEMM as a callable: fwd x @ ws^T, dgrad dy @ ws, wgrad dy^T @ x into grads."""
+    if pname == "fwd":
+        return lambda: ops.grouped_linear(x, ws, sizes_d, backend="cuda")
+    if pname == "dgrad":
+        return lambda: ops.grouped_linear_dgrad(dy, ws, sizes_d, backend="cuda")
+    return lambda: ops.grouped_linear_wgrad(dy, x, sizes_d, out=grads, backend="cuda")
+
+
+def torch_call(pname, x, dy, W, offs):
+    """The same pass on torch._grouped_mm, W the stacked [E, N, K] weights, offs the int32 group ends."""
+    if pname == "fwd":
+        return lambda: torch._grouped_mm(x, W.transpose(-2, -1), offs=offs)
+    if pname == "dgrad":
+        return lambda: torch._grouped_mm(dy, W, offs=offs)
+    return lambda: torch._grouped_mm(dy.t(), x, offs=offs)
+
+
 def bench_case(name, H, F, E, k, T, skew, gen, variants=VARIANTS, passes=("fwd", "dgrad", "wgrad")):
     sizes = routed_sizes(T, k, E, skew, gen)
     M = int(sizes.sum())
@@ -132,21 +150,13 @@ def bench_case(name, H, F, E, k, T, skew, gen, variants=VARIANTS, passes=("fwd",
             return grads["separate"]
 
         def ours(pname, layout="separate"):
-            w = layouts[layout][j]
-            if pname == "fwd":
-                return lambda: ops.grouped_linear(x, w, sizes_d, backend="cuda")
-            if pname == "dgrad":
-                return lambda: ops.grouped_linear_dgrad(dy, w, sizes_d, backend="cuda")
-            return lambda: ops.grouped_linear_wgrad(dy, x, sizes_d, out=grads[layout], backend="cuda")
+            return ours_call(pname, x, dy, layouts[layout][j], sizes_d, grads[layout])
 
-        fns_of_pass = {
-            "fwd": (lambda: torch._grouped_mm(x, W.transpose(-2, -1), offs=offs), loop_fwd),
-            "dgrad": (lambda: torch._grouped_mm(dy, W, offs=offs), loop_dgrad),
-            "wgrad": (lambda: torch._grouped_mm(dy.t(), x, offs=offs), loop_wgrad),
-        }
-        for pname, (theirs, loop) in fns_of_pass.items():
+        loops = {"fwd": loop_fwd, "dgrad": loop_dgrad, "wgrad": loop_wgrad}
+        for pname, loop in loops.items():
             if pname not in passes:
                 continue
+            theirs = torch_call(pname, x, dy, W, offs)
             a = ours(pname)()
             a = torch.stack(a) if isinstance(a, list) else a
             try:
