@@ -39,8 +39,9 @@ def kernel_times(fns, calls, block=5):
 
     One profiler session; the fns take turns in blocks of ``block`` calls back to back (the order rotating per
     round), as the wall timing runs them: the GPU stays loaded, as in training, and a drift of the clocks
-    favours none. (Profiled one call at a time instead, from an idle GPU, a kernel runs without the power
-    limit's clock reduction: torch's GLM 8k down dgrad took 1382 us so, against 1610 us a call back to back.)
+    favours none. (Profiled one call at a time instead, from an idle GPU, a kernel can run much faster, presumably
+    before the power limit lowers the clocks: torch's GLM 8k down dgrad took 1382 us so on an H200, against
+    1610 us a call back to back; profile_gemm_h200_single_calls.md.)
     A kernel belongs to the block whose host range holds its start: each block ends in a synchronisation."""
     for fn in fns.values():
         for _ in range(3):
