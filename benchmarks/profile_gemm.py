@@ -67,6 +67,8 @@ def kernel_times(fns, calls, block=5):
         if who is not None:
             total[who][ev.name] += ev.time_range.elapsed_us()  # a kernel's own span
             count[who][ev.name] += 1
+    if any(not count[who] for who in fns):  # the host ranges and the kernels' times did not line up
+        raise RuntimeError(f"profile_gemm: no kernel was placed in the blocks of {[w for w in fns if not count[w]]}")
     n_calls = -(-calls // block) * block
     return {who: {name: (count[who][name] / n_calls, total[who][name] / count[who][name]) for name in total[who]}
             for who in fns}
