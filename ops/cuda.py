@@ -42,13 +42,11 @@ def load():
     return _ext
 
 
-TUNED_CUTLASS = "4.2.0"  # the release the kernel choices in csrc/gemm.cu were measured with
-
-
 def _warn_if_untuned_cutlass(version: str):
     # Other releases compile but change the kernels' speed: with 4.5.0 the default wgrad ran up to 26% slower
     # (benchmarks/results/grouped_gemm_h100_cutlass45_ab.md), with 3.8.0 the median ratio to
     # torch._grouped_mm fell from 0.99 to 0.94 (grouped_gemm_h100_cutlass38.md).
+    from .builder import TUNED_CUTLASS
     if version != TUNED_CUTLASS:
         warnings.warn(f"lrmoe_ds CUDA ops built with CUTLASS {version}; their kernel choices were measured with "
                       f"{TUNED_CUTLASS} (pip install nvidia-cutlass=={TUNED_CUTLASS}.0 --no-deps, CUTLASS_PATH unset)")

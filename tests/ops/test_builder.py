@@ -57,12 +57,13 @@ def test_missing_cutlass_is_a_clear_error(builder_module, monkeypatch, tmp_path)
     assert "CUTLASS" in b.error_log
 
 
-def test_other_cutlass_release_warns_once_built():
+def test_other_cutlass_release_warns_once_built(builder_module):
     """The kernel choices were measured with one CUTLASS release; a build with another says so."""
     import warnings
-    from lrmoe_ds.ops import cuda
+    from lrmoe_ds.ops import builder, cuda
+    assert builder.TUNED_CUTLASS == builder_module.TUNED_CUTLASS == "4.2.0"
     with pytest.warns(UserWarning, match=r"built with CUTLASS 4\.5\.0.*measured with 4\.2\.0"):
         cuda._warn_if_untuned_cutlass("4.5.0")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        cuda._warn_if_untuned_cutlass(cuda.TUNED_CUTLASS)
+        cuda._warn_if_untuned_cutlass("4.2.0")
