@@ -112,7 +112,7 @@ class LRMoE(MoE):
         self.lrmoe_config = LRMoEConfig()
         self.layer_number = 0
         self.memory_plan = MemoryPlan()          # the memory planner overwrites it
-        self.last_stats: Optional[RetentionStats] = None
+        self.last_stats = None                   # RetentionStats of the last training forward (a property)
         self.last_selection: Optional[dict] = None  # filled by the backward when keep_last_selection
         self.keep_last_selection = False
         # training forwards with grad so far: seeds the retention sampling; a buffer, so checkpoints restore it.
@@ -122,6 +122,18 @@ class LRMoE(MoE):
         # the optimizer step, set by the memory planner under lrmoe_ds.initialize (the retention schedule's
         # clock); None: the schedule follows the training forwards instead
         self.optimizer_step: Optional[int] = None
+
+    @property
+    def last_stats(self) -> Optional[RetentionStats]:
+        """The retention statistics of the last training forward (None before one). Where that forward could
+        drop nothing they are made here, on first read: such a forward never waits for the counts' host copy."""
+        if callable(self._last_stats):
+            self._last_stats = self._last_stats()
+        return self._last_stats
+
+    @last_stats.setter
+    def last_stats(self, stats) -> None:
+        self._last_stats = stats
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
@@ -143,9 +155,9 @@ class LRMoE(MoE):
         return self.lrmoe_config.enabled and self.training and torch.is_grad_enabled()
 
     def _backward_spec(self, plan: DispatchPlan, dtype: torch.dtype):
-        """(the backward's settings, a function that fills in its quotas' shares and replicas, or None): the plan comes
-        from the global counts (the same on every rank), so on one rank it makes the layer's one host
-        read; the caller runs it once the forward's kernels are queued (see forward)."""
+        """(the backward's settings, a function that fills in its quotas' shares and replicas, or None where no pair
+        can be dropped): the plan comes from the global counts (the same on every rank), so on one rank it makes
+        the layer's one host read; the caller runs it once the forward's kernels are queued (see forward)."""
         cfg = self.lrmoe_config
         if not self._retains():
             return BackwardSpec(), None
@@ -162,6 +174,10 @@ class LRMoE(MoE):
         R = self.ep_size
         # replicas can take a retained row only where it carries its input (recompute): a stash stays at home
         replicas = cfg.replica_slots > 0 and R > 1 and policy == "recompute"
+        # ratio 1 without a row cap keeps every pair whatever the counts (the floor only raises quotas, the balance
+        # factor cuts only where something was dropped): no quotas to plan, no host read of the counts, and x's
+        # norms are not needed. (Replicas route even then: their selection keeps every pair, weight 1.)
+        may_drop = ratio < 1.0 or max_rows is not None or replicas
 
         def plan_backward(spec: BackwardSpec) -> None:
             n = plan.all_counts.sum(0)
@@ -191,11 +207,18 @@ class LRMoE(MoE):
         key = f"{cfg.seed}/{self.layer_number}/{self._retention_step_host}/{rank}".encode()
         seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
         self.last_selection = {} if self.keep_last_selection else None
-        # ratio 1 without a row cap keeps every pair (the floor only raises quotas): x's norms are not needed.
-        # (Replicas route even then: their selection keeps every pair, weight 1, whatever the metric.)
-        may_drop = ratio < 1.0 or max_rows is not None or replicas
-        return BackwardSpec(policy, cfg.router_grad, None, may_drop, cfg.metric, cfg.selection, cfg.rescale, seed,
-                            self.last_selection), plan_backward
+        spec = BackwardSpec(policy, cfg.router_grad, None, may_drop, cfg.metric, cfg.selection, cfg.rescale, seed,
+                            self.last_selection)
+        if may_drop:
+            return spec, plan_backward
+        host_counts = plan.host_counts  # not the plan: its device tensors need not outlive the step
+
+        def exact_stats() -> RetentionStats:
+            n = host_counts.get().sum(0)
+            rows = n.view(R, -1).sum(1)
+            return RetentionStats(n, n.clone(), rows, rows.clone(), policy, stash_bytes, backward_bytes)
+        self.last_stats = exact_stats
+        return spec, None
 
     def forward(self, hidden_states: torch.Tensor,
                 used_token: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
