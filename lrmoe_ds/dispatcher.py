@@ -23,10 +23,7 @@ COLLECTIVE_BYTES: Counter = Counter()
 
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """A host tensor to ``device``; to a GPU through pinned memory, so the copy does not wait for the stream.
-    (One already on a GPU stays where it is.)"""
-    if t.is_cuda:
-        return t.to(device)
+    """A host tensor to ``device``; to a GPU through pinned memory, so the copy does not wait for the stream."""
     if torch.device(device).type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
@@ -105,7 +102,7 @@ class CompactPlan:
     send_splits / recv_splits: retained rows to / from each EP rank (host ints).
     regroup [M'] / regroup_inverse [M']: received retained rows -> grouped by local expert (None if R == 1).
     group_sizes [E_l] (device) and group_sizes_host: retained rows per local expert (the host list is None
-    on one rank, where nothing needs it).
+    where the backward counted them on the device: one rank, the "threshold" allocation).
     """
     send_splits: List[int]
     recv_splits: List[int]
@@ -224,15 +221,14 @@ class AllToAllDispatcher:
         _, regroup, _ = ops.routing_plan(group_of_row, El)
         return regroup, _inverse_permutation(regroup)
 
-    def compact(self, shares: torch.Tensor, device, total: Optional[int] = None) -> CompactPlan:
+    def compact(self, shares: torch.Tensor, device) -> CompactPlan:
         """shares [R, R * G] host: retained pairs from each rank to each group slot (G = E_l, the local experts;
-        or E_l plus replica slots, :class:`~lrmoe_ds.placement.ReplicaPlan`) -> the backward's CompactPlan.
-        One rank: shares may be on the device, with ``total`` their sum (then nothing is read back)."""
+        or E_l plus replica slots, :class:`~lrmoe_ds.placement.ReplicaPlan`) -> the backward's CompactPlan."""
         R = self.ep_size
         El = shares.shape[1] // R
         if R == 1:
-            total = int(shares[0].sum()) if total is None else total
-            return CompactPlan([total], [total], None, None, to_device(shares[0], device), None)
+            sizes = shares[0].tolist()
+            return CompactPlan([sum(sizes)], [sum(sizes)], None, None, to_device(shares[0], device), sizes)
         rank = dist.get_rank(self.ep_group)
         mine = shares[:, rank * El:(rank + 1) * El]
         regroup, regroup_inverse = self._regroup_for(mine, device)

@@ -16,11 +16,11 @@ from torch import nn
 from lrmoe_ds import ops
 from lrmoe_ds.autograd import apply_fast
 from lrmoe_ds.config import LRMoEConfig
-from lrmoe_ds.dispatcher import AllToAllDispatcher, DispatchPlan, HostCopy
+from lrmoe_ds.dispatcher import AllToAllDispatcher, DispatchPlan
 from lrmoe_ds.experts import EXPERT_TYPES, GroupedExperts
 from lrmoe_ds.placement import plan_with_replicas
 from lrmoe_ds.pipeline import ExpertWeights, RoutedMLP, WeightGrads
-from lrmoe_ds.quotas import MemoryPlan, RetentionStats, expert_row_bytes, one_rank_total, plan_quotas, rank_shares
+from lrmoe_ds.quotas import MemoryPlan, RetentionStats, expert_row_bytes, plan_quotas, rank_shares
 from lrmoe_ds.retention import BackwardSpec
 from lrmoe_ds.router import Router
 
@@ -112,7 +112,7 @@ class LRMoE(MoE):
         self.lrmoe_config = LRMoEConfig()
         self.layer_number = 0
         self.memory_plan = MemoryPlan()          # the memory planner overwrites it
-        self.last_stats: Optional[RetentionStats] = None
+        self.last_stats = None                   # RetentionStats of the last training forward (a property)
         self.last_selection: Optional[dict] = None  # filled by the backward when keep_last_selection
         self.keep_last_selection = False
         # training forwards with grad so far: seeds the retention sampling; a buffer, so checkpoints restore it.
@@ -122,6 +122,18 @@ class LRMoE(MoE):
         # the optimizer step, set by the memory planner under lrmoe_ds.initialize (the retention schedule's
         # clock); None: the schedule follows the training forwards instead
         self.optimizer_step: Optional[int] = None
+
+    @property
+    def last_stats(self) -> Optional[RetentionStats]:
+        """The retention statistics of the last training forward (None before one). Where that forward could
+        drop nothing they are made here, on first read: such a forward never waits for the counts' host copy."""
+        if callable(self._last_stats):
+            self._last_stats = self._last_stats()
+        return self._last_stats
+
+    @last_stats.setter
+    def last_stats(self, stats) -> None:
+        self._last_stats = stats
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
@@ -167,24 +179,7 @@ class LRMoE(MoE):
         # norms are not needed. (Replicas route even then: their selection keeps every pair, weight 1.)
         may_drop = ratio < 1.0 or max_rows is not None or replicas
 
-        def plan_on_device(spec: BackwardSpec) -> None:
-            # one rank, no floor: the quotas are planned where the counts are, and their total is known from the
-            # number of pairs, so nothing is read back (the statistics keep the copies started, read when asked)
-            pairs, threshold = plan.order.numel(), cfg.quota_allocation == "threshold"
-            target = 1.0 if threshold else ratio  # threshold: the quotas are caps from the budget alone
-            quotas = plan_quotas(plan.group_sizes, target, 1, 0.0, cfg.balance_factor, max_rows,
-                                 "waterfill" if threshold else cfg.quota_allocation, total=pairs)
-            capped = one_rank_total(pairs, target, max_rows)
-            self.last_stats = RetentionStats(plan.host_counts, HostCopy(quotas), torch.tensor([pairs]),
-                                             torch.tensor([capped]), policy, stash_bytes, backward_bytes)
-            if min(capped, int(ratio * pairs)) < pairs:
-                spec.shares, spec.num_kept = quotas.view(1, -1), capped
-                if threshold:
-                    spec.totals, spec.on_kept = [int(ratio * pairs)], self.last_stats.set_kept
-
         def plan_backward(spec: BackwardSpec) -> None:
-            if R == 1 and cfg.floor == 0:
-                return plan_on_device(spec)
             n = plan.all_counts.sum(0)
             placed = totals = None
             if cfg.quota_allocation == "threshold":
@@ -216,9 +211,13 @@ class LRMoE(MoE):
                             self.last_selection)
         if may_drop:
             return spec, plan_backward
-        # every pair kept: nothing to plan (on one rank the counts stay unread until the statistics are)
-        rows = torch.tensor([plan.order.numel()]) if R == 1 else plan.all_counts.sum(0).view(R, -1).sum(1)
-        self.last_stats = RetentionStats(plan.host_counts, None, rows, rows.clone(), policy, stash_bytes, backward_bytes)
+        host_counts = plan.host_counts  # not the plan: its device tensors need not outlive the step
+
+        def exact_stats() -> RetentionStats:
+            n = host_counts.get().sum(0)
+            rows = n.view(R, -1).sum(1)
+            return RetentionStats(n, n.clone(), rows, rows.clone(), policy, stash_bytes, backward_bytes)
+        self.last_stats = exact_stats
         return spec, None
 
     def forward(self, hidden_states: torch.Tensor,

@@ -126,15 +126,14 @@ class RoutedMLP(torch.autograd.Function):
             metric = pair_metric(spec.metric, weight_of_row,
                                  None if dout_norm is None else dout_norm.index_select(0, src),
                                  None if x_norm is None else x_norm.index_select(0, src))
-            num_kept = int(shares[rank].sum()) if spec.num_kept is None else spec.num_kept
-            if disp.ep_size == 1:  # this rank's counts (and quotas) are on the device already: no more copies
-                splits = disp.compact(shares, dout.device, num_kept)
+            if disp.ep_size == 1:  # this rank's counts and quotas are on the device already: no more copies
+                splits = disp.compact(shares, dout.device)
                 sizes, quotas = plan.group_sizes, splits.group_sizes
             else:
                 sizes, quotas = to_device(plan.all_counts[rank], dout.device), to_device(shares[rank], dout.device)
             total = None if spec.totals is None else spec.totals[rank]
             kept, scale, kept_sizes = select_retained(metric, sizes, quotas, spec.selection, spec.seed,
-                                                      num_kept=num_kept, total=total)
+                                                      num_kept=int(shares[rank].sum()), total=total)
             if total is not None:  # the counts were chosen here: the exchange sizes follow from them
                 splits, kept_counts = disp.compact_kept(kept_sizes)
                 if spec.on_kept is not None:

@@ -1,13 +1,12 @@
-"""Retention quotas: how many pairs of each expert run their backward, and each rank's share.
+"""Retention quotas (host-side): how many pairs of each expert run their backward, and each rank's share.
 
 Made in the forward from the global counts n_e (known on every rank after the dispatcher's one
 all-gather), so every rank computes the same quotas and shares without more communication; the
-backward's compacted all-to-all sizes follow from them. On one rank (without a floor) they are planned on
-the counts' own device instead, so that the forward never waits for the counts.
+backward's compacted all-to-all sizes follow from them.
 """
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Literal, Optional
+from typing import Literal, Optional
 
 import torch
 
@@ -26,124 +25,63 @@ class MemoryPlan:
     max_rows_per_rank: Optional[int] = None
 
 
-# The two allocations, each twice: on host ints (fast for the 100-odd experts of a layer, and what the
-# host planning of several ranks uses every forward) and as tensor ops on the counts' own device (one rank:
-# no host read). tests/test_retention.py checks that both give the same quotas.
+def _level(n: torch.Tensor, budget: int) -> torch.Tensor:
+    """min(n, c) for the largest integer cap c with sum(min(n, c)) <= budget (water-fill from above).
 
-def _level_host(vals: List[int], budget: int) -> List[int]:
-    """The water-fill from above: min(n, c) for the largest integer cap c with sum(min(n, c)) <= budget, plus
-    one pair for the first experts (by index) above the cap until the quotas sum to min(budget, sum n)
-    exactly, so that the retained total is known without reading the counts.
-
-    For c between the i-th and the (i+1)-th smallest count, sum(min(n, c)) = (sum of the i smallest) +
-    c (E - i): the first i where that exceeds the budget at c = the i-th smallest fixes the cap. The
-    leftover, (budget - that prefix) mod (E - i), is less than the E - i experts above the cap."""
-    target = min(max(budget, 0), sum(vals))
-    if target == sum(vals):
-        return list(vals)
+    One pass over the sorted counts (host ints; it runs in every training forward, so no tensor ops):
+    for c between the i-th and the (i+1)-th smallest count, sum(min(n, c)) = (sum of the i smallest) +
+    c (E - i), linear in c."""
+    vals = n.tolist()
+    if sum(vals) <= budget:
+        return n.clone()
     prefix, E, cap = 0, len(vals), 0
     for i, v in enumerate(sorted(vals)):
-        if prefix + v * (E - i) > target:
-            cap = (target - prefix) // (E - i)
+        if prefix + v * (E - i) > budget:
+            cap = max(0, (budget - prefix) // (E - i))
             break
         prefix += v
-    q = [min(v, cap) for v in vals]
-    left = target - sum(q)
-    for e, v in enumerate(vals):
-        if left == 0:
-            break
-        if v > cap:
-            q[e], left = q[e] + 1, left - 1
-    return q
+    return torch.clamp(n, max=cap)
 
 
-def _level_device(n: torch.Tensor, budget: int) -> torch.Tensor:
-    """:func:`_level_host` as tensor ops on n's device, with no host read."""
-    E = n.numel()
-    if E == 0:
-        return n.clone()
-    s = torch.sort(n).values
-    prefix = s.cumsum(0) - s                                   # sum of the i smallest
-    target = n.sum().clamp(min=0, max=max(budget, 0))
-    over = prefix + s * (E - torch.arange(E, device=n.device)) > target
-    i = (~over).sum(0, keepdim=True).clamp(max=E - 1)          # the first over (over is monotone)
-    cap = torch.where(over.any(), (target - prefix.gather(0, i)) // (E - i), s[-1:])
-    q = torch.minimum(n, cap)
-    above = n > cap
-    return q + (above & (above.cumsum(0) <= target - q.sum())).to(n.dtype)
-
-
-def _scale_host(vals: List[int], budget: int) -> List[int]:
-    """floor(n_e b / sum n) plus one for the largest remainders (ties: lower index), b = min(budget, sum n):
-    every expert keeps the same fraction, to the pair, and the quotas sum to b."""
+def _scale(n: torch.Tensor, budget: int) -> torch.Tensor:
+    """floor(n_e budget / sum n) plus one for the largest remainders (ties: lower index), summing to
+    ``budget`` (every expert keeps the same fraction, to the pair); n itself if it is within budget."""
+    vals = n.tolist()
     total = sum(vals)
-    b = min(max(budget, 0), total)
-    if b == total:
-        return list(vals)
-    q = [v * b // total for v in vals]
-    for i in sorted(range(len(vals)), key=lambda i: (-(vals[i] * b % total), i))[:b - sum(q)]:
+    if total <= budget:
+        return n.clone()
+    q = [v * budget // total for v in vals]
+    rest = sorted(range(len(vals)), key=lambda i: (-(vals[i] * budget % total), i))[:budget - sum(q)]
+    for i in rest:
         q[i] += 1
-    return q
+    return torch.tensor(q, dtype=n.dtype)
 
 
-def _scale_device(n: torch.Tensor, budget: int) -> torch.Tensor:
-    """:func:`_scale_host` as tensor ops on n's device, with no host read."""
-    total = n.sum()
-    b = total.clamp(min=0, max=max(budget, 0))
-    q, remainder = n * b // total.clamp_min(1), n * b % total.clamp_min(1)
-    order = torch.sort(-remainder, stable=True).indices
-    place = torch.empty_like(order).scatter_(0, order, torch.arange(n.numel(), device=n.device))
-    return q + (place < b - q.sum()).to(n.dtype)
-
-
-def _on_host(allocation: Callable[[List[int], int], List[int]]):
-    return lambda n, budget: torch.tensor(allocation(n.tolist(), budget), dtype=n.dtype)
-
-
-ALLOCATIONS = {"waterfill": _on_host(_level_host), "proportional": _on_host(_scale_host)}
-DEVICE_ALLOCATIONS = {"waterfill": _level_device, "proportional": _scale_device}
-
-
-def one_rank_total(pairs: int, retention_ratio: float, max_rows: Optional[int] = None) -> int:
-    """What :func:`plan_quotas`'s quotas sum to on one expert-parallel rank without a floor, from the number
-    of routed pairs alone (both allocations keep exactly their budget)."""
-    kept = min(int(retention_ratio * pairs), pairs)
-    return kept if max_rows is None else min(kept, max_rows)
+ALLOCATIONS = {"waterfill": _level, "proportional": _scale}
 
 
 def plan_quotas(counts: torch.Tensor, retention_ratio: float = 1.0, ep_size: int = 1, floor: float = 0.0,
                 balance_factor: float = float("inf"), max_rows_per_rank: Optional[int] = None,
-                allocation: Literal["waterfill", "proportional"] = "waterfill",
-                total: Optional[int] = None) -> torch.Tensor:
+                allocation: Literal["waterfill", "proportional"] = "waterfill") -> torch.Tensor:
     """Q_e, the pairs of each expert whose backward runs.
 
     counts [E] int (n_e over the expert-parallel group; expert e lives on rank e // (E / ep_size)).
-    1. target, by ``allocation``: "waterfill" caps the hottest experts first (cold experts keep every pair,
-       :func:`_level_host`); "proportional" keeps the same fraction of every expert's pairs (:func:`_scale_host`);
-       either keeps exactly int(ratio * sum_e n_e) pairs;
+    1. target, by ``allocation``: "waterfill" gives one cap c for all experts, the largest with
+       sum_e min(n_e, c) <= ratio * sum_e n_e (cold experts keep every pair, the hottest are capped
+       first); "proportional" keeps the same fraction of every expert's pairs;
     2. per rank, if its retained rows exceed max_rows_per_rank, or (when anything was dropped)
        balance_factor times the mean over ranks, its own experts' quotas are cut the same way;
     3. floor: Q_e >= ceil(floor * n_e), whatever the caps.
     Ratio 1 with no budget gives Q = n (exact).
-    total: sum_e n_e, where the caller knows it. On one rank without a floor the quotas are then computed
-    where the counts are, with no host read (they sum to :func:`one_rank_total`); else on the host.
     """
     if allocation not in ALLOCATIONS:
         raise ValueError(f"unknown quota allocation {allocation!r}; accepted: {', '.join(ALLOCATIONS)}")
     cut = ALLOCATIONS[allocation]
     if not 0.0 < retention_ratio <= 1.0:
         raise ValueError(f"retention_ratio must be in (0, 1], got {retention_ratio}")
-    n = counts.detach().long()
+    n = counts.detach().long().cpu()
     if n.numel() % ep_size:
         raise ValueError(f"{n.numel()} experts cannot be split over ep_size {ep_size}")
-    if ep_size == 1 and floor == 0 and total is not None:
-        if n.device.type != "cpu":
-            cut = DEVICE_ALLOCATIONS[allocation]
-        q = cut(n, int(retention_ratio * total))
-        if max_rows_per_rank is not None and one_rank_total(total, retention_ratio) > max_rows_per_rank:
-            q = cut(q, max_rows_per_rank)
-        return q
-    n = n.cpu()
     q = cut(n, int(retention_ratio * int(n.sum())))
     per_rank = q.view(ep_size, -1)
     caps = [float("inf")] * ep_size
@@ -182,13 +120,11 @@ def rank_shares(quotas: torch.Tensor, all_counts: torch.Tensor) -> torch.Tensor:
     return base + torch.zeros_like(base).scatter_(0, order, bonus)
 
 
+@dataclass
 class RetentionStats:
     """One training forward of one layer, as the planner and the monitor see it (host tensors).
 
-    counts [E]: n_e over the expert-parallel group; may be given as the HostCopy of the counts from each
-        rank [R, E] (summed when first read).  quotas [E]: Q_e; may be given as a HostCopy, or None where
-        every pair was kept (the counts). A forward that planned on the device passes the copies it started,
-        so that nothing waits for them until the planner or the monitor reads them.
+    counts [E]: n_e over the expert-parallel group.  quotas [E]: Q_e.
     rows_per_rank / retained_per_rank [R]: routed / retained rows at each expert-parallel rank.
     policy: the activation policy used.  stash_bytes_per_row: what "stash" keeps per routed row.
     backward_bytes_per_row: the expert backward's buffers per retained row (under this policy).
@@ -196,29 +132,15 @@ class RetentionStats:
     Under the "threshold" allocation the quotas are caps and the backward counts what it keeps
     (:meth:`set_kept`); :meth:`retained` is then that count.
     """
-
-    def __init__(self, counts, quotas, rows_per_rank: torch.Tensor, retained_per_rank: torch.Tensor, policy: str,
-                 stash_bytes_per_row: int, backward_bytes_per_row: int, replica_rows: int = 0):
-        self._counts, self._quotas = counts, quotas
-        self.rows_per_rank, self.retained_per_rank = rows_per_rank, retained_per_rank
-        self.policy, self.stash_bytes_per_row, self.backward_bytes_per_row = policy, stash_bytes_per_row, \
-            backward_bytes_per_row
-        self.replica_rows = replica_rows
-        self.kept: Optional[HostCopy] = None
-
-    @property
-    def counts(self) -> torch.Tensor:
-        if isinstance(self._counts, HostCopy):
-            self._counts = self._counts.get().sum(0)
-        return self._counts
-
-    @property
-    def quotas(self) -> torch.Tensor:
-        if self._quotas is None:
-            self._quotas = self.counts.clone()
-        elif isinstance(self._quotas, HostCopy):
-            self._quotas = self._quotas.get()
-        return self._quotas
+    counts: torch.Tensor
+    quotas: torch.Tensor
+    rows_per_rank: torch.Tensor
+    retained_per_rank: torch.Tensor
+    policy: str
+    stash_bytes_per_row: int
+    backward_bytes_per_row: int
+    replica_rows: int = 0
+    kept: Optional[HostCopy] = None
 
     def set_kept(self, kept: torch.Tensor) -> None:
         """The backward's kept pairs per expert [E]; copied to the host without waiting (read when asked for)."""

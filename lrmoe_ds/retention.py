@@ -24,8 +24,7 @@ class BackwardSpec:
 
     policy: "stash" or "recompute".  router_grad: "exact" or "retained".
     shares [R, E] int64 host or None: retained pairs from each source rank to each expert (None:
-        every pair is kept, the exact backward). Set after the forward has queued its kernels. On one rank
-        they may be on the device, with ``num_kept`` their sum (planned there: no host read).
+        every pair is kept, the exact backward). Set after the forward has queued its kernels.
     may_drop: whether the quotas can drop a pair (the forward then keeps ||x_t|| for the metric).
     metric, selection, rescale, seed: the sampling (the seed differs per layer, step and rank).
     record: a dict the backward fills with its selection (``kept``, ``scale``, ``pairs``), or None.
@@ -46,7 +45,6 @@ class BackwardSpec:
     replicas: Optional[ReplicaPlan] = None
     totals: Optional[List[int]] = None
     on_kept: Optional[Callable[[torch.Tensor], None]] = None
-    num_kept: Optional[int] = None
 
 
 def pair_metric(metric: Metric, gate: torch.Tensor, dout_norm: Optional[torch.Tensor],

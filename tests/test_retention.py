@@ -30,40 +30,14 @@ def test_water_fill_caps_hottest_first():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_water_fill_level_is_the_largest_cap_within_the_budget(seed):
-    """The cap, checked against its definition by brute force over every integer cap; the pairs left under the
-    budget go one each to the first experts above the cap, so the quotas sum to the budget exactly."""
-    from lrmoe_ds.quotas import _level_host
+    """The cap, checked against its definition by brute force over every integer cap."""
+    from lrmoe_ds.quotas import _level
     g = torch.Generator().manual_seed(seed)
     n = torch.randint(0, 50, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g)
     n[0] = 0 if seed % 2 else n[0]
     for budget in sorted({0, 1, int(n.sum()) // 3, int(n.sum()) // 2, int(n.sum()) - 1, int(n.sum()), -1}):
         best = max([c for c in range(int(n.max()) + 1) if int(n.clamp(max=c).sum()) <= budget], default=0)
-        q = torch.tensor(_level_host(n.tolist(), budget))
-        extra = q - n.clamp(max=best)
-        assert int(q.sum()) == max(0, min(budget, int(n.sum()))), (n.tolist(), budget)
-        above = (n > best).nonzero().flatten().tolist()
-        assert extra.tolist() == [int(e in above[:int(extra.sum())]) for e in range(n.numel())], (n.tolist(), budget)
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_device_allocations_equal_the_host_ones(seed):
-    """The tensor versions (one rank plans where the counts are) give the host versions' quotas, and
-    plan_quotas with the total given (no host read) the same as without it."""
-    from lrmoe_ds.quotas import _level_device, _level_host, _scale_device, _scale_host
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(200):
-        n = torch.randint(0, int(torch.randint(1, 60, (1,), generator=g)), (int(torch.randint(1, 20, (1,), generator=g)),),
-                          generator=g)
-        N = int(n.sum())
-        for budget in (-1, 0, 1, N // 3, N // 2, N - 1, N, N + 5):
-            assert _level_device(n, budget).tolist() == _level_host(n.tolist(), budget), (n.tolist(), budget)
-            assert _scale_device(n, budget).tolist() == _scale_host(n.tolist(), budget), (n.tolist(), budget)
-        for allocation in ("waterfill", "proportional"):
-            for ratio, rows in ((0.5, None), (0.3, N // 4), (1.0, N // 2)):
-                host = plan_quotas(n, ratio, max_rows_per_rank=rows, allocation=allocation)
-                assert torch.equal(plan_quotas(n, ratio, max_rows_per_rank=rows, allocation=allocation, total=N), host)
-                from lrmoe_ds.quotas import one_rank_total
-                assert int(host.sum()) == one_rank_total(N, ratio, rows)
+        assert torch.equal(_level(n, budget), n.clamp(max=best)), (n.tolist(), budget)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -262,9 +236,9 @@ def test_ratio_one_is_bit_exact(policy):
 
 
 def test_counts_are_read_after_the_forward_kernels_are_queued(monkeypatch):
-    # Where the host plans the quotas (here: a floor) it reads the expert counts only once the experts' GEMMs
-    # are queued, so on a GPU the read waits for the router alone and the planning overlaps the GEMMs.
-    # Without a floor one rank plans on the device and reads nothing back, in the forward or the backward.
+    # On one rank nothing in the forward waits for the expert counts: the host reads them (for the
+    # backward's quotas) only once the experts' GEMMs are queued, so on a GPU the read waits for the
+    # router alone and the quota planning overlaps the forward's GEMMs.
     from lrmoe_ds import experts as experts_module
     from lrmoe_ds.dispatcher import HostCopy
     events = []
@@ -273,25 +247,17 @@ def test_counts_are_read_after_the_forward_kernels_are_queued(monkeypatch):
     monkeypatch.setattr(experts_module.ops, "grouped_linear",
                         lambda *a, **k: events.append("gemm") or real_linear(*a, **k))
     layer, x = make_layer()
-    configure(layer, retention_ratio=0.5, floor=0.1)
+    configure(layer, retention_ratio=0.5)
     out = layer(x.clone().requires_grad_(True))[0]
     assert events[:2] == ["gemm", "gemm"] and "read" in events
     assert layer.last_stats is not None and int(layer.last_stats.quotas.sum()) < T * K
     probe_loss(out).backward()
-    for allocation in ("waterfill", "proportional", "threshold"):
-        configure(layer, retention_ratio=0.5, quota_allocation=allocation)
-        events.clear()
-        probe_loss(layer(x.clone().requires_grad_(True))[0]).backward()
-        assert "gemm" in events and "read" not in events, allocation
-        kept = layer.last_stats.retained()
-        assert int(kept.sum()) == T * K // 2 and torch.all(kept <= layer.last_stats.counts), allocation
 
 
 @pytest.mark.parametrize("allocation", ["waterfill", "threshold"])
 def test_ratio_one_never_waits_for_the_counts(monkeypatch, allocation):
-    # Ratio 1 without a row cap keeps every pair whatever the counts (even with a floor, which would make a
-    # forward at a lower ratio plan on the host): its forward and backward read nothing back (on a GPU a read
-    # stops the host from running ahead); the statistics read the counts when first asked for them.
+    # Ratio 1 without a row cap keeps every pair whatever the counts: its forward and backward read nothing
+    # back (on a GPU a read would stop the host from running ahead); the statistics are made when first read.
     from lrmoe_ds.dispatcher import HostCopy
     reads = []
     real_get = HostCopy.get
@@ -300,13 +266,14 @@ def test_ratio_one_never_waits_for_the_counts(monkeypatch, allocation):
     configure(layer, retention_ratio=1.0, quota_allocation=allocation, **({"floor": 0.5} if allocation == "waterfill" else {}))
     counts = layer(x)[2]
     probe_loss(layer(x.clone().requires_grad_(True))[0]).backward()
-    stats = layer.last_stats
     assert not reads
-    assert torch.equal(stats.counts, counts) and torch.equal(stats.quotas, counts) and reads
+    stats = layer.last_stats
+    assert reads and torch.equal(stats.counts, counts) and torch.equal(stats.quotas, counts)
     assert stats.retained_per_rank.tolist() == stats.rows_per_rank.tolist() == [T * K]
-    layer.memory_plan.max_rows_per_rank = T * K // 2  # a row cap drops: the forward plans its quotas again
+    layer.memory_plan.max_rows_per_rank = T * K  # a row cap may drop: the forward plans its quotas again
+    before = len(reads)
     layer(x)
-    assert T * K // 2 <= int(layer.last_stats.quotas.sum()) < T * K  # (the floor may raise the quotas above it)
+    assert len(reads) > before and int(layer.last_stats.quotas.sum()) == T * K
 
 
 def test_full_quota_selection_is_bit_exact(monkeypatch):
