@@ -61,8 +61,8 @@ def kernel_times(fns, calls, block=5):
     total = {who: defaultdict(float) for who in fns}
     count = {who: defaultdict(int) for who in fns}
     for ev in events:
-        if ev.device_type != torch.autograd.DeviceType.CUDA:
-            continue
+        if ev.device_type != torch.autograd.DeviceType.CUDA or ev.name.startswith("block:"):
+            continue  # (the blocks' own ranges have a GPU-side copy: a span, not a kernel)
         who = next((w for start, end, w in blocks if start <= ev.time_range.start <= end), None)
         if who is not None:
             total[who][ev.name] += ev.time_range.elapsed_us()  # a kernel's own span
