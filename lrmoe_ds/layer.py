@@ -112,7 +112,7 @@ class LRMoE(MoE):
         self.lrmoe_config = LRMoEConfig()
         self.layer_number = 0
         self.memory_plan = MemoryPlan()          # the memory planner overwrites it
-        self.last_stats = None                   # RetentionStats of the last training forward (a property)
+        self.last_stats: Optional[RetentionStats] = None
         self.last_selection: Optional[dict] = None  # filled by the backward when keep_last_selection
         self.keep_last_selection = False
         # training forwards with grad so far: seeds the retention sampling; a buffer, so checkpoints restore it.
@@ -122,18 +122,6 @@ class LRMoE(MoE):
         # the optimizer step, set by the memory planner under lrmoe_ds.initialize (the retention schedule's
         # clock); None: the schedule follows the training forwards instead
         self.optimizer_step: Optional[int] = None
-
-    @property
-    def last_stats(self) -> Optional[RetentionStats]:
-        """The retention statistics of the last training forward (None before one). Where that forward could
-        drop nothing they are made here, on first read: such a forward never waits for the counts' host copy."""
-        if callable(self._last_stats):
-            self._last_stats = self._last_stats()
-        return self._last_stats
-
-    @last_stats.setter
-    def last_stats(self, stats) -> None:
-        self._last_stats = stats
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
@@ -211,13 +199,9 @@ class LRMoE(MoE):
                             self.last_selection)
         if may_drop:
             return spec, plan_backward
-        host_counts = plan.host_counts  # not the plan: its device tensors need not outlive the step
-
-        def exact_stats() -> RetentionStats:
-            n = host_counts.get().sum(0)
-            rows = n.view(R, -1).sum(1)
-            return RetentionStats(n, n.clone(), rows, rows.clone(), policy, stash_bytes, backward_bytes)
-        self.last_stats = exact_stats
+        # every pair kept: nothing to plan; on one rank the counts stay unread until the statistics are asked for
+        rows = torch.tensor([plan.order.numel()]) if R == 1 else plan.all_counts.sum(0).view(R, -1).sum(1)
+        self.last_stats = RetentionStats(plan.host_counts, None, rows, rows.clone(), policy, stash_bytes, backward_bytes)
         return spec, None
 
     def forward(self, hidden_states: torch.Tensor,

@@ -120,11 +120,12 @@ def rank_shares(quotas: torch.Tensor, all_counts: torch.Tensor) -> torch.Tensor:
     return base + torch.zeros_like(base).scatter_(0, order, bonus)
 
 
-@dataclass
 class RetentionStats:
     """One training forward of one layer, as the planner and the monitor see it (host tensors).
 
-    counts [E]: n_e over the expert-parallel group.  quotas [E]: Q_e.
+    counts [E]: n_e over the expert-parallel group, or the HostCopy of the counts from each rank [R, E]
+        (summed when first read: a forward that keeps every pair passes the copy it started, so that nothing
+        waits for it until the planner or the monitor asks).  quotas [E]: Q_e, or None: every pair kept.
     rows_per_rank / retained_per_rank [R]: routed / retained rows at each expert-parallel rank.
     policy: the activation policy used.  stash_bytes_per_row: what "stash" keeps per routed row.
     backward_bytes_per_row: the expert backward's buffers per retained row (under this policy).
@@ -132,15 +133,27 @@ class RetentionStats:
     Under the "threshold" allocation the quotas are caps and the backward counts what it keeps
     (:meth:`set_kept`); :meth:`retained` is then that count.
     """
-    counts: torch.Tensor
-    quotas: torch.Tensor
-    rows_per_rank: torch.Tensor
-    retained_per_rank: torch.Tensor
-    policy: str
-    stash_bytes_per_row: int
-    backward_bytes_per_row: int
-    replica_rows: int = 0
-    kept: Optional[HostCopy] = None
+
+    def __init__(self, counts, quotas, rows_per_rank: torch.Tensor, retained_per_rank: torch.Tensor, policy: str,
+                 stash_bytes_per_row: int, backward_bytes_per_row: int, replica_rows: int = 0):
+        self._counts, self._quotas = counts, quotas
+        self.rows_per_rank, self.retained_per_rank = rows_per_rank, retained_per_rank
+        self.policy, self.stash_bytes_per_row, self.backward_bytes_per_row = policy, stash_bytes_per_row, \
+            backward_bytes_per_row
+        self.replica_rows = replica_rows
+        self.kept: Optional[HostCopy] = None
+
+    @property
+    def counts(self) -> torch.Tensor:
+        if isinstance(self._counts, HostCopy):
+            self._counts = self._counts.get().sum(0)
+        return self._counts
+
+    @property
+    def quotas(self) -> torch.Tensor:
+        if self._quotas is None:
+            self._quotas = self.counts.clone()
+        return self._quotas
 
     def set_kept(self, kept: torch.Tensor) -> None:
         """The backward's kept pairs per expert [E]; copied to the host without waiting (read when asked for)."""

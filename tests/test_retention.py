@@ -257,7 +257,7 @@ def test_counts_are_read_after_the_forward_kernels_are_queued(monkeypatch):
 @pytest.mark.parametrize("allocation", ["waterfill", "threshold"])
 def test_ratio_one_never_waits_for_the_counts(monkeypatch, allocation):
     # Ratio 1 without a row cap keeps every pair whatever the counts: its forward and backward read nothing
-    # back (on a GPU a read would stop the host from running ahead); the statistics are made when first read.
+    # back (on a GPU a read would stop the host from running ahead); the statistics read the counts when asked.
     from lrmoe_ds.dispatcher import HostCopy
     reads = []
     real_get = HostCopy.get
@@ -266,9 +266,9 @@ def test_ratio_one_never_waits_for_the_counts(monkeypatch, allocation):
     configure(layer, retention_ratio=1.0, quota_allocation=allocation, **({"floor": 0.5} if allocation == "waterfill" else {}))
     counts = layer(x)[2]
     probe_loss(layer(x.clone().requires_grad_(True))[0]).backward()
-    assert not reads
     stats = layer.last_stats
-    assert reads and torch.equal(stats.counts, counts) and torch.equal(stats.quotas, counts)
+    assert not reads
+    assert torch.equal(stats.counts, counts) and reads and torch.equal(stats.quotas, counts)
     assert stats.retained_per_rank.tolist() == stats.rows_per_rank.tolist() == [T * K]
     layer.memory_plan.max_rows_per_rank = T * K  # a row cap may drop: the forward plans its quotas again
     before = len(reads)
