@@ -18,7 +18,8 @@ import torch
 
 from . import reference
 
-__all__ = ["routing_plan", "permute", "unpermute", "unpermute_weight_grad", "swiglu", "swiglu_backward",
+__all__ = ["routing_plan", "permute", "unpermute", "unpermute_weight_grad", "unpermute_backward", "swiglu",
+           "swiglu_backward",
            "grouped_linear", "grouped_linear_dgrad",
            "grouped_linear_wgrad", "split_groups", "topk_retention", "capacity_route", "router_topk",
            "router_topk_backward",
@@ -115,14 +116,23 @@ def unpermute_weight_grad(rows: torch.Tensor, row_of_pair: torch.Tensor, dout: t
     return _select("unpermute_weight_grad", backend, rows)(rows, row_of_pair, dout)
 
 
+def unpermute_backward(rows: torch.Tensor, row_of_pair: torch.Tensor, weight: torch.Tensor, dout: torch.Tensor,
+                       backend: Optional[str] = None):
+    """unpermute's rows and weight gradients from one read of dout: ``(d_rows [P, H], d_weight [T, K] float32)``;
+    every row must be the row of exactly one pair (P = T K). See reference.unpermute_backward."""
+    return _select("unpermute_backward", backend, rows)(rows, row_of_pair, weight, dout)
+
+
 def swiglu(h: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
     """``silu(h[:, :F]) * h[:, F:]``: h [M, 2F] (gate columns first) -> [M, F]. Not differentiable."""
     return _select("swiglu", backend, h)(h)
 
 
-def swiglu_backward(h: torch.Tensor, da: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
-    """dh [M, 2F] of :func:`swiglu` from h [M, 2F] and da [M, F]."""
-    return _select("swiglu_backward", backend, h)(h, da)
+def swiglu_backward(h: torch.Tensor, da: torch.Tensor, inplace: bool = False, with_activation: bool = False,
+                    backend: Optional[str] = None):
+    """dh [M, 2F] of :func:`swiglu` from h [M, 2F] and da [M, F]; ``inplace``: written over h;
+    ``with_activation``: returns (dh, swiglu(h)) from one read of h."""
+    return _select("swiglu_backward", backend, h)(h, da, inplace, with_activation)
 
 
 def grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], group_sizes: torch.Tensor,

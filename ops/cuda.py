@@ -98,6 +98,17 @@ def unpermute_weight_grad(rows: torch.Tensor, row_of_pair: torch.Tensor, dout: t
     return out
 
 
+def unpermute_backward(rows: torch.Tensor, row_of_pair: torch.Tensor, weight: torch.Tensor, dout: torch.Tensor):
+    rows, row_of_pair, dout = rows.contiguous(), row_of_pair.contiguous(), dout.contiguous()
+    if row_of_pair.dim() != 2:
+        raise ValueError(f"unpermute_backward: row_of_pair must be [T, K], got shape {tuple(row_of_pair.shape)}")
+    weight = weight.to(torch.float32).contiguous()  # exact for half and bfloat16 weights; rounded to rows' dtype inside
+    d_rows = torch.empty_like(rows)
+    d_weight = torch.empty(row_of_pair.shape, dtype=torch.float32, device=rows.device)
+    load().unpermute_backward(rows, row_of_pair, weight, dout, d_rows, d_weight)
+    return d_rows, d_weight
+
+
 def swiglu(h: torch.Tensor) -> torch.Tensor:
     h = h.contiguous()
     if h.dim() != 2 or h.shape[1] % 2:
@@ -107,11 +118,14 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
+def swiglu_backward(h: torch.Tensor, da: torch.Tensor, inplace: bool = False, with_activation: bool = False):
+    if inplace and not h.is_contiguous():
+        raise ValueError("swiglu_backward: inplace needs a contiguous h")
     h, da = h.contiguous(), da.contiguous()
-    dh = torch.empty_like(h)
-    load().swiglu_backward(h, da, dh)
-    return dh
+    dh = h if inplace else torch.empty_like(h)
+    a = h.new_empty(h.shape[0], h.shape[1] // 2) if with_activation and h.dim() == 2 else None
+    load().swiglu_backward(h, da, dh, a)
+    return (dh, a) if with_activation else dh
 
 
 def topk_retention(scores: torch.Tensor, group_sizes: torch.Tensor, quotas: torch.Tensor, num_kept=None):

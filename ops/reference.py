@@ -73,6 +73,24 @@ def unpermute_weight_grad(rows: torch.Tensor, row_of_pair: torch.Tensor, dout: t
     return torch.einsum("tkh,th->tk", gathered.to(acc), dout.to(acc))
 
 
+def unpermute_backward(rows: torch.Tensor, row_of_pair: torch.Tensor, weight: torch.Tensor,
+                       dout: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`unpermute` with respect to its rows and its weights: (d_rows [P, H], d_weight [T, K]).
+
+    d_rows[row_of_pair[t, k]] = weight[t, k] * dout[t] (rounded as :func:`permute` rounds its scaled rows),
+    d_weight = :func:`unpermute_weight_grad`. Every row must be the row of exactly one pair (P = T K, row_of_pair
+    a permutation of [0, P): the inverse of a routing plan's order), so that d_rows is written whole."""
+    T, K = row_of_pair.shape
+    index = row_of_pair.reshape(-1).long()
+    P = index.numel()
+    if rows.shape[0] != P or bool((index < 0).any()) or not bool((torch.bincount(index, minlength=P) == 1).all()):
+        raise ValueError(f"unpermute_backward: every row must be the row of exactly one pair: row_of_pair "
+                         f"{tuple(row_of_pair.shape)} must hold each of rows' indices [0, {rows.shape[0]}) once")
+    pair_of_row = torch.empty_like(index).index_copy_(0, index, torch.arange(P, device=index.device))
+    d_rows = permute(dout, pair_of_row // K, weight.reshape(-1).index_select(0, pair_of_row))
+    return d_rows, unpermute_weight_grad(rows, row_of_pair, dout)
+
+
 def swiglu(h: torch.Tensor) -> torch.Tensor:
     """SwiGLU of the up-projection's output h [M, 2F] (gate columns first): silu(gate) * up -> [M, F].
     Plain torch, so it is also the differentiable version the expert modules use."""
@@ -80,13 +98,21 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
-    """dh [M, 2F] of :func:`swiglu` from h and da [M, F]; computed in the wider of h's dtype and float32."""
+def swiglu_backward(h: torch.Tensor, da: torch.Tensor, inplace: bool = False, with_activation: bool = False):
+    """dh [M, 2F] of :func:`swiglu` from h and da [M, F]; computed in the wider of h's dtype and float32.
+
+    ``inplace``: dh is written over h (h's values are read first) and h is returned: the backward's
+    buffers need not hold both. ``with_activation``: returns (dh, a), a = swiglu(h) from the same h (the
+    backward recomputes it for the down projection's weight gradient)."""
     acc = torch.promote_types(h.dtype, torch.float32)
     gate, up = h.to(acc).chunk(2, dim=-1)
     da = da.to(acc)
     s = torch.sigmoid(gate)
-    return torch.cat([da * up * s * (1 + gate * (1 - s)), da * gate * s], dim=-1).to(h.dtype)
+    dh = torch.cat([da * up * s * (1 + gate * (1 - s)), da * gate * s], dim=-1).to(h.dtype)
+    a = swiglu(h) if with_activation else None
+    if inplace:
+        dh = h.copy_(dh)
+    return (dh, a) if with_activation else dh
 
 
 def _group_slices(group_sizes: torch.Tensor):

@@ -223,6 +223,21 @@ def test_expert_weight_changed_before_backward_is_an_error():
         out.sum().backward()
 
 
+@pytest.mark.parametrize("ratio", [None, 1.0])
+def test_a_retained_graph_gives_the_same_gradients_again(ratio):
+    """The expert backward writes its activation gradient over the stashed pre-activations: where the graph is
+    retained for another backward, it works on a copy, so the second backward reads what the first did."""
+    layer, x = make_case("softmax", 2, "swiglu", seed=5, skewed=False)
+    if ratio is not None:
+        layer.configure(lrmoe_ds.LRMoEConfig(enabled=True, retention_ratio=ratio, policy="stash"))
+    xi = x.clone().requires_grad_(True)
+    loss = (layer(xi)[0] * torch.linspace(-1, 1, x.numel(), dtype=x.dtype).view_as(x)).sum()
+    loss.backward(retain_graph=True)
+    first = [t.grad.clone() for t in (xi, *layer.parameters())]
+    loss.backward()
+    assert all(torch.equal(t.grad, 2 * g) for t, g in zip((xi, *layer.parameters()), first))
+
+
 def test_expert_weight_gradients_reach_autograd_after_the_router_backward():
     """The stacked expert weights enter the graph through one node made before the router: their gradients
     are accumulated (each through its own AccumulateGrad, so hooks such as DeepSpeed's fire once per weight

@@ -110,6 +110,52 @@ def test_unpermute_weight_grad_is_autograds():
     assert ref.unpermute_weight_grad(rows.float(), rop, dout.float()).dtype == torch.float32
 
 
+def test_unpermute_backward_is_autograds():
+    gen = torch.Generator().manual_seed(5)
+    T, K, H = 7, 3, 6
+    rop = torch.randperm(T * K, generator=gen).view(T, K)     # each row some pair's, as a plan's inverse
+    rows = torch.randn(T * K, H, generator=gen, dtype=torch.float64).requires_grad_(True)
+    w = torch.rand(T, K, generator=gen, dtype=torch.float64).requires_grad_(True)
+    dout = torch.randn(T, H, generator=gen, dtype=torch.float64)
+    (ref.unpermute(rows, rop, w) * dout).sum().backward()
+    d_rows, d_weight = ref.unpermute_backward(rows.detach(), rop, w.detach(), dout)
+    torch.testing.assert_close(d_rows, rows.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(d_weight, w.grad, rtol=1e-12, atol=1e-12)
+    # bf16: the rows' gradient rounds as permute's scaled gather, the weights' as unpermute_weight_grad
+    order = torch.argsort(rop.reshape(-1))
+    b_rows, b_dout = rows.detach().bfloat16(), dout.bfloat16()
+    d_rows, d_weight = ref.unpermute_backward(b_rows, rop, w.detach().float(), b_dout)
+    assert torch.equal(d_rows, ref.permute(b_dout, order // K, w.detach().float().reshape(-1)[order]))
+    assert torch.equal(d_weight, ref.unpermute_weight_grad(b_rows, rop, b_dout))
+
+
+@pytest.mark.parametrize("bad", ["missing", "twice", "rows"])
+def test_unpermute_backward_needs_every_row_once(bad):
+    rop = torch.arange(6).view(3, 2)
+    rows = torch.zeros(6, 4)
+    if bad == "missing":
+        rop[1, 1] = -1
+    elif bad == "twice":
+        rop[1, 1] = 0
+    else:
+        rows = torch.zeros(7, 4)
+    with pytest.raises(ValueError, match="every row must be the row of exactly one pair"):
+        ref.unpermute_backward(rows, rop, torch.ones(3, 2), torch.ones(3, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_swiglu_backward_in_place_with_activation(dtype):
+    gen = torch.Generator().manual_seed(6)
+    h = (3 * torch.randn(9, 10, generator=gen, dtype=torch.float64)).to(dtype)
+    da = torch.randn(9, 5, generator=gen, dtype=torch.float64).to(dtype)
+    dh_ref, a_ref = ref.swiglu_backward(h, da), ref.swiglu(h)
+    dh, a = ref.swiglu_backward(h.clone(), da, with_activation=True)
+    assert torch.equal(dh, dh_ref) and torch.equal(a, a_ref)
+    buffer = h.clone()
+    dh, a = ref.swiglu_backward(buffer, da, inplace=True, with_activation=True)
+    assert dh.data_ptr() == buffer.data_ptr() and torch.equal(buffer, dh_ref) and torch.equal(a, a_ref)
+
+
 def test_swiglu_backward_is_autograds():
     gen = torch.Generator().manual_seed(4)
     h = (3 * torch.randn(9, 10, generator=gen, dtype=torch.float64)).requires_grad_(True)

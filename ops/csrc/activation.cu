@@ -36,9 +36,12 @@ __global__ void swiglu_kernel(const T* __restrict__ h, T* __restrict__ a, int64_
 }
 
 // d gate = da * up * s * (1 + g * (1 - s)),  d up = da * g * s,  s = sigmoid(g).
-template <typename T, int VEC>
-__global__ void swiglu_backward_kernel(const T* __restrict__ h, const T* __restrict__ da, T* __restrict__ dh,
-                                       int64_t M, int64_t F) {
+// dh may be h itself (no __restrict__ on either): each pack is read before the same thread overwrites it.
+// WITH_ACT: also a = silu(g) * up, as swiglu_kernel computes it, from the same read of h (the backward
+// recomputes the activation for the down projection's weight gradient; one pass instead of two).
+template <typename T, int VEC, bool WITH_ACT>
+__global__ void swiglu_backward_kernel(const T* h, const T* __restrict__ da, T* dh, T* __restrict__ a, int64_t M,
+                                       int64_t F) {
   using P = Pack<T, VEC>;
   const int64_t per_row = F / VEC, n = M * per_row;
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
@@ -46,16 +49,18 @@ __global__ void swiglu_backward_kernel(const T* __restrict__ h, const T* __restr
     const P g = reinterpret_cast<const P*>(h + m * 2 * F)[c];
     const P u = reinterpret_cast<const P*>(h + m * 2 * F + F)[c];
     const P d = reinterpret_cast<const P*>(da + m * F)[c];
-    P dg, du;
+    P dg, du, act;
 #pragma unroll
     for (int v = 0; v < VEC; ++v) {
       const float x = to_float(g.v[v]), up = to_float(u.v[v]), grad = to_float(d.v[v]);
       const float s = sigmoid(x);
       dg.v[v] = from_float<T>(grad * up * s * (1.f + x * (1.f - s)));
       du.v[v] = from_float<T>(grad * x * s);
+      if constexpr (WITH_ACT) act.v[v] = from_float<T>(x * s * up);  // swiglu_kernel's expression
     }
     reinterpret_cast<P*>(dh + m * 2 * F)[c] = dg;
     reinterpret_cast<P*>(dh + m * 2 * F + F)[c] = du;
+    if constexpr (WITH_ACT) reinterpret_cast<P*>(a + m * F)[c] = act;
   }
 }
 
@@ -89,16 +94,23 @@ void swiglu(const void* h, DType dtype, int64_t M, int64_t F, void* a, cudaStrea
   LRMOE_LAUNCH_CHECK("swiglu");
 }
 
-void swiglu_backward(const void* h, const void* da, DType dtype, int64_t M, int64_t F, void* dh, cudaStream_t stream) {
+void swiglu_backward(const void* h, const void* da, DType dtype, int64_t M, int64_t F, void* dh, void* a,
+                     cudaStream_t stream) {
   if (M == 0 || F == 0) return;
   dispatch_float(dtype, [&](auto tag) {
     using T = decltype(tag);
-    const void* ptrs[] = {h, da, dh};
-    with_pack<T>(F, ptrs, 3, [&](auto vec) {
+    const void* ptrs[] = {h, da, dh, a != nullptr ? a : h};
+    with_pack<T>(F, ptrs, 4, [&](auto vec) {
       constexpr int VEC = decltype(vec)::value;
       const int64_t n = M * (F / VEC);
-      swiglu_backward_kernel<T, VEC><<<blocks_for(n, 256), 256, 0, stream>>>(
-          static_cast<const T*>(h), static_cast<const T*>(da), static_cast<T*>(dh), M, F);
+      const auto* hp = static_cast<const T*>(h);
+      const auto* dap = static_cast<const T*>(da);
+      if (a != nullptr)
+        swiglu_backward_kernel<T, VEC, true><<<blocks_for(n, 256), 256, 0, stream>>>(
+            hp, dap, static_cast<T*>(dh), static_cast<T*>(a), M, F);
+      else
+        swiglu_backward_kernel<T, VEC, false><<<blocks_for(n, 256), 256, 0, stream>>>(
+            hp, dap, static_cast<T*>(dh), nullptr, M, F);
     });
   });
   LRMOE_LAUNCH_CHECK("swiglu_backward");

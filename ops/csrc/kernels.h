@@ -35,12 +35,18 @@ void unpermute(const void* rows, DType rtype, int64_t P, int64_t H, const void* 
                const void* weight, DType wtype, int64_t T, int K, void* out, cudaStream_t stream);
 
 // out[t, k] = <rows[row_of_pair[t, k], :], dout[t, :]>, fp32 [T, K] (unpermute's weight gradient); -1 rows give 0.
+// d_rows (nullptr: not computed) [P, H] in rows' dtype: also unpermute's rows gradient,
+// d_rows[row_of_pair[t, k], :] = weight[t, k] * dout[t, :] (weight fp32 [T, K], rounded to rows' dtype first, one
+// rounding of the product); then every pair must have a row (-1 is a device-side error).
 void unpermute_weight_grad(const void* rows, DType rtype, int64_t P, int64_t H, const void* row_of_pair, IType itype,
-                           const void* dout, int64_t T, int K, float* out, cudaStream_t stream);
+                           const void* dout, int64_t T, int K, float* out, const float* weight, void* d_rows,
+                           cudaStream_t stream);
 // SwiGLU on h [M, 2F] (gate columns first): a[M, F] = silu(gate) * up; and its backward
-// dh[M, 2F] from h and da [M, F]. fp32 arithmetic, one rounding per output.
+// dh[M, 2F] from h and da [M, F] (dh may be h itself: written in place), with a as well where a is not nullptr
+// (the forward recomputed from the same read of h). fp32 arithmetic, one rounding per output.
 void swiglu(const void* h, DType dtype, int64_t M, int64_t F, void* a, cudaStream_t stream);
-void swiglu_backward(const void* h, const void* da, DType dtype, int64_t M, int64_t F, void* dh, cudaStream_t stream);
+void swiglu_backward(const void* h, const void* da, DType dtype, int64_t M, int64_t F, void* dh, void* a,
+                     cudaStream_t stream);
 
 // Quota-aware top-k; see retention.cu. kept [P] (the first sum_g min(q_g, n_g) entries are written),
 // kept_sizes [G] int64, threshold [G] in scores' dtype, summary [3] int64 = (kept total, sum of

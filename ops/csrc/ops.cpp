@@ -2,6 +2,7 @@
 #include "ops.h"
 
 #include <c10/cuda/CUDAGuard.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include "kernels.h"
@@ -109,26 +110,54 @@ void unpermute_op(const at::Tensor& rows, const at::Tensor& row_of_pair, const a
             (int)row_of_pair.size(1), out.data_ptr(), stream());
 }
 
+namespace {
+// The checks unpermute_weight_grad and unpermute_backward share; returns T.
+int64_t check_weight_grad_args(const at::Tensor& rows, const at::Tensor& row_of_pair, const at::Tensor& dout,
+                               at::Tensor& out, const char* op, const char* out_name) {
+  check_cuda(rows, msg(op, ": rows").c_str());
+  check_cuda(row_of_pair, msg(op, ": row_of_pair").c_str());
+  check_cuda(dout, msg(op, ": dout").c_str());
+  LRMOE_CHECK(rows.dim() == 2 && row_of_pair.dim() == 2 && dout.dim() == 2, op,
+              ": rows must be [P, H], row_of_pair [T, K] and dout [T, H]; got ", rows.sizes(), ", ",
+              row_of_pair.sizes(), " and ", dout.sizes());
+  const int64_t T = row_of_pair.size(0), H = rows.size(1);
+  LRMOE_CHECK(dout.size(0) == T && dout.size(1) == H, op, ": dout must be [T, H] = [", T, ", ", H, "], got ",
+              dout.sizes());
+  LRMOE_CHECK(dout.scalar_type() == rows.scalar_type(), op, ": dout must have rows' dtype ", rows.scalar_type(),
+              ", got ", dout.scalar_type());
+  LRMOE_CHECK(T < (int64_t(1) << 31), op, ": at most 2^31-1 tokens");
+  check_out(out, {T, row_of_pair.size(1)}, at::kFloat, rows, msg(op, ": ", out_name).c_str());
+  return T;
+}
+}  // namespace
+
 void unpermute_weight_grad_op(const at::Tensor& rows, const at::Tensor& row_of_pair, const at::Tensor& dout,
                               at::Tensor& out) {
-  check_cuda(rows, "unpermute_weight_grad: rows");
-  check_cuda(row_of_pair, "unpermute_weight_grad: row_of_pair");
-  check_cuda(dout, "unpermute_weight_grad: dout");
-  LRMOE_CHECK(rows.dim() == 2 && row_of_pair.dim() == 2 && dout.dim() == 2,
-              "unpermute_weight_grad: rows must be [P, H], row_of_pair [T, K] and dout [T, H]; got ", rows.sizes(),
-              ", ", row_of_pair.sizes(), " and ", dout.sizes());
-  const int64_t T = row_of_pair.size(0), H = rows.size(1);
-  LRMOE_CHECK(dout.size(0) == T && dout.size(1) == H, "unpermute_weight_grad: dout must be [T, H] = [", T, ", ", H,
-              "], got ", dout.sizes());
-  LRMOE_CHECK(dout.scalar_type() == rows.scalar_type(), "unpermute_weight_grad: dout must have rows' dtype ",
-              rows.scalar_type(), ", got ", dout.scalar_type());
-  LRMOE_CHECK(T < (int64_t(1) << 31), "unpermute_weight_grad: at most 2^31-1 tokens");
+  const int64_t T = check_weight_grad_args(rows, row_of_pair, dout, out, "unpermute_weight_grad", "out");
   const IType it = itype_of(row_of_pair, "unpermute_weight_grad: row_of_pair");
   const DType rt = dtype_of(rows, "unpermute_weight_grad: rows");
-  check_out(out, {T, row_of_pair.size(1)}, at::kFloat, rows, "unpermute_weight_grad: out");
   const c10::cuda::CUDAGuard guard(rows.device());
-  unpermute_weight_grad(rows.data_ptr(), rt, rows.size(0), H, row_of_pair.data_ptr(), it, dout.data_ptr(), T,
-                        (int)row_of_pair.size(1), out.data_ptr<float>(), stream());
+  unpermute_weight_grad(rows.data_ptr(), rt, rows.size(0), rows.size(1), row_of_pair.data_ptr(), it, dout.data_ptr(),
+                        T, (int)row_of_pair.size(1), out.data_ptr<float>(), nullptr, nullptr, stream());
+}
+
+void unpermute_backward_op(const at::Tensor& rows, const at::Tensor& row_of_pair, const at::Tensor& weight,
+                           const at::Tensor& dout, at::Tensor& d_rows, at::Tensor& d_weight) {
+  const int64_t T = check_weight_grad_args(rows, row_of_pair, dout, d_weight, "unpermute_backward", "d_weight");
+  check_cuda(weight, "unpermute_backward: weight");
+  LRMOE_CHECK(weight.scalar_type() == at::kFloat && weight.sizes() == row_of_pair.sizes(),
+              "unpermute_backward: weight must be a float32 [T, K] tensor like row_of_pair ", row_of_pair.sizes(),
+              ", got ", weight.scalar_type(), " ", weight.sizes());
+  // every row is some pair's: d_rows is written whole (a -1 in row_of_pair is a device-side error)
+  LRMOE_CHECK(rows.size(0) == row_of_pair.numel(), "unpermute_backward: every row must be the row of exactly one pair: ",
+              "rows must have T * K = ", row_of_pair.numel(), " rows, got ", rows.size(0));
+  check_out(d_rows, rows.sizes(), rows.scalar_type(), rows, "unpermute_backward: d_rows");
+  const IType it = itype_of(row_of_pair, "unpermute_backward: row_of_pair");
+  const DType rt = dtype_of(rows, "unpermute_backward: rows");
+  const c10::cuda::CUDAGuard guard(rows.device());
+  unpermute_weight_grad(rows.data_ptr(), rt, rows.size(0), rows.size(1), row_of_pair.data_ptr(), it, dout.data_ptr(),
+                        T, (int)row_of_pair.size(1), d_weight.data_ptr<float>(), weight.data_ptr<float>(),
+                        d_rows.data_ptr(), stream());
 }
 
 void swiglu_op(const at::Tensor& h, at::Tensor& out) {
@@ -140,7 +169,7 @@ void swiglu_op(const at::Tensor& h, at::Tensor& out) {
   swiglu(h.data_ptr(), dt, h.size(0), h.size(1) / 2, out.data_ptr(), stream());
 }
 
-void swiglu_backward_op(const at::Tensor& h, const at::Tensor& da, at::Tensor& dh) {
+void swiglu_backward_op(const at::Tensor& h, const at::Tensor& da, at::Tensor& dh, const c10::optional<at::Tensor>& a) {
   check_cuda(h, "swiglu_backward: h");
   check_cuda(da, "swiglu_backward: da");
   LRMOE_CHECK(h.dim() == 2 && h.size(1) % 2 == 0, "swiglu_backward: h must be [M, 2F], got shape ", h.sizes());
@@ -150,8 +179,17 @@ void swiglu_backward_op(const at::Tensor& h, const at::Tensor& da, at::Tensor& d
               ", got ", da.scalar_type(), " ", da.sizes());
   const DType dt = dtype_of(h, "swiglu_backward: h");
   check_out(dh, h.sizes(), h.scalar_type(), h, "swiglu_backward: dh");
+  // dh is h itself (in place) or apart from it; nothing else may share memory
+  at::assert_no_partial_overlap(dh, h);
+  at::assert_no_overlap(dh, da);
+  if (a.has_value()) {
+    check_out(*a, da.sizes(), h.scalar_type(), h, "swiglu_backward: a");
+    at::assert_no_overlap(*a, h);
+    at::assert_no_overlap(*a, da);
+  }
   const c10::cuda::CUDAGuard guard(h.device());
-  swiglu_backward(h.data_ptr(), da.data_ptr(), dt, h.size(0), h.size(1) / 2, dh.data_ptr(), stream());
+  swiglu_backward(h.data_ptr(), da.data_ptr(), dt, h.size(0), h.size(1) / 2, dh.data_ptr(),
+                  a.has_value() ? a->data_ptr() : nullptr, stream());
 }
 
 void topk_retention_op(const at::Tensor& scores, const at::Tensor& group_sizes, const at::Tensor& quotas,

@@ -121,11 +121,13 @@ __global__ void combine_kernel(const row_t* __restrict__ rows, const index_t* __
 
 // One token per block: out[t, k] = <rows[row_of_pair[t, k], :], dout[t, :]> in fp32 (the gradient of the
 // combine's weights); a negative row index gives 0. Up to kPairsPerPass pairs share one block reduction.
+// WRITE_ROWS: also the gradient of the combine's rows, d_rows[row_of_pair[t, k], :] = weight[t, k] dout[t, :]
+// (rounded as permute_scaled rounds), from the dout vector already loaded: the backward's dout is read once.
 constexpr int kPairsPerPass = 8;
-template <typename row_t, typename index_t, int VEC>
+template <typename row_t, typename index_t, int VEC, bool WRITE_ROWS>
 __global__ void combine_weight_grad_kernel(const row_t* __restrict__ rows, const index_t* __restrict__ row_of_pair,
                                            const row_t* __restrict__ dout, float* __restrict__ out, int64_t P, int K,
-                                           int64_t H) {
+                                           int64_t H, const float* __restrict__ weight, row_t* __restrict__ d_rows) {
   using Vec = typename std::conditional<VEC * sizeof(row_t) == 16, uint4, row_t>::type;
   __shared__ float partial[kPairsPerPass][32];
   const int64_t t = blockIdx.x;
@@ -144,12 +146,21 @@ __global__ void combine_weight_grad_kernel(const row_t* __restrict__ rows, const
       for (int j = 0; j < kPairsPerPass; ++j) {
         if (j >= nk) break;
         const int64_t r = rp[k0 + j];
+        LRMOE_DEVICE_ASSERT(!WRITE_ROWS || r >= 0, "unpermute_backward: a pair without a row (row_of_pair -1)");
         if (r < 0) continue;
         LRMOE_DEVICE_ASSERT(r < P, "unpermute_weight_grad: row_of_pair out of range [-1, P)");
         const Vec raw = __ldg(reinterpret_cast<const Vec*>(rows + r * H) + c);
         const row_t* e = reinterpret_cast<const row_t*>(&raw);
 #pragma unroll
         for (int v = 0; v < VEC; ++v) acc[j] = fmaf(to_float(e[v]), to_float(d[v]), acc[j]);
+        if constexpr (WRITE_ROWS) {
+          const float s = to_float(from_float<row_t>(weight[t * K + k0 + j]));
+          Vec res;
+          row_t* o = reinterpret_cast<row_t*>(&res);
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) o[v] = from_float<row_t>(to_float(d[v]) * s);
+          reinterpret_cast<Vec*>(d_rows + r * H)[c] = res;
+        }
       }
     }
     // fixed-order reduction (warp shuffles, then warp 0 over the warps): deterministic
@@ -286,7 +297,8 @@ void unpermute(const void* rows, DType rtype, int64_t P, int64_t H, const void* 
 }
 
 void unpermute_weight_grad(const void* rows, DType rtype, int64_t P, int64_t H, const void* row_of_pair, IType itype,
-                           const void* dout, int64_t T, int K, float* out, cudaStream_t stream) {
+                           const void* dout, int64_t T, int K, float* out, const float* weight, void* d_rows,
+                           cudaStream_t stream) {
   if (T == 0 || K == 0) return;
   if (H == 0) {
     LRMOE_CUDA_CHECK(cudaMemsetAsync(out, 0, T * K * sizeof(float), stream));
@@ -300,13 +312,22 @@ void unpermute_weight_grad(const void* rows, DType rtype, int64_t P, int64_t H, 
       const auto* r = static_cast<const row_t*>(rows);
       const auto* rp = static_cast<const index_t*>(row_of_pair);
       const auto* d = static_cast<const row_t*>(dout);
-      if (H % VEC == 0 && aligned16(rows) && aligned16(dout))
-        combine_weight_grad_kernel<row_t, index_t, VEC><<<(unsigned)T, threads_for(H / VEC), 0, stream>>>(r, rp, d, out, P, K, H);
-      else
-        combine_weight_grad_kernel<row_t, index_t, 1><<<(unsigned)T, threads_for(H), 0, stream>>>(r, rp, d, out, P, K, H);
+      auto* dr = static_cast<row_t*>(d_rows);
+      const bool vec = H % VEC == 0 && aligned16(rows) && aligned16(dout) && (d_rows == nullptr || aligned16(d_rows));
+      auto launch = [&](auto write_rows) {
+        constexpr bool W = decltype(write_rows)::value;
+        if (vec)
+          combine_weight_grad_kernel<row_t, index_t, VEC, W><<<(unsigned)T, threads_for(H / VEC), 0, stream>>>(
+              r, rp, d, out, P, K, H, weight, dr);
+        else
+          combine_weight_grad_kernel<row_t, index_t, 1, W><<<(unsigned)T, threads_for(H), 0, stream>>>(
+              r, rp, d, out, P, K, H, weight, dr);
+      };
+      if (d_rows != nullptr) launch(std::true_type{});
+      else launch(std::false_type{});
     });
   });
-  LRMOE_LAUNCH_CHECK("unpermute_weight_grad");
+  LRMOE_LAUNCH_CHECK(d_rows != nullptr ? "unpermute_backward" : "unpermute_weight_grad");
 }
 
 }  // namespace lrmoe

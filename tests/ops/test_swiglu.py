@@ -29,6 +29,35 @@ def test_matches_fp64_reference(ext, rel_fro, tol, M, F, dtype):
     assert torch.equal(ops.swiglu_backward(h, da, backend="cuda"), dh)
 
 
+@pytest.mark.parametrize("M,F,dtype", list(itertools.product([1, 37, 4096], [5, 1408], DTYPES)))
+def test_fused_backward_in_place_is_the_two_kernels(ext, M, F, dtype):
+    """dh written over h, with the activation recomputed from the same read: the very bits of swiglu and
+    swiglu_backward run apart, on fresh inputs (both pack widths: F = 5 takes the scalar path)."""
+    gen = torch.Generator().manual_seed(M + 13 * F)
+    h = (4 * torch.randn(M, 2 * F, generator=gen)).to(dtype).cuda()
+    da = torch.randn(M, F, generator=gen).to(dtype).cuda()
+    a_ref, dh_ref = ops.swiglu(h, backend="cuda"), ops.swiglu_backward(h, da, backend="cuda")
+    buffer = h.clone()
+    dh, a = ops.swiglu_backward(buffer, da, inplace=True, with_activation=True, backend="cuda")
+    assert dh.data_ptr() == buffer.data_ptr()
+    assert torch.equal(dh, dh_ref) and torch.equal(a, a_ref)
+    dh2, a2 = ops.swiglu_backward(h, da, with_activation=True, backend="cuda")
+    assert dh2.data_ptr() != h.data_ptr() and torch.equal(dh2, dh_ref) and torch.equal(a2, a_ref)
+    assert torch.equal(ops.swiglu_backward(h.clone(), da, inplace=True, backend="cuda"), dh_ref)
+
+
+def test_fused_backward_rejects_overlaps(ext):
+    """dh is h itself or apart from it; a shares memory with nothing: else torch's overlap error, not a race."""
+    buffer = torch.randn(4 * 16 + 8, device="cuda")
+    h, da = buffer[:64].view(4, 16), torch.randn(4, 8, device="cuda")
+    with pytest.raises(RuntimeError, match="memory location"):     # dh half a row past h
+        ext.swiglu_backward(h, da, buffer[8:72].view(4, 16), None)
+    with pytest.raises(RuntimeError, match="memory location"):     # a over da
+        ext.swiglu_backward(h, da, torch.empty_like(h), da)
+    with pytest.raises(RuntimeError, match="memory location"):     # a over h's gate columns
+        ext.swiglu_backward(h.clone(), da, torch.empty_like(h), buffer[:32].view(4, 8))
+
+
 def test_extremes_and_empty(ext):
     h = torch.tensor([[-1e4, 0.0, 1e4, -30.0, 3.0, 2.0, 5.0, 7.0]], device="cuda")
     a = ops.swiglu(h, backend="cuda")
