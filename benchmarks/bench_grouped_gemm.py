@@ -96,6 +96,15 @@ def weight_layouts(E, shapes):
     return {"separate": separate, "flat": flat_views, "stacked": [list(W.unbind(0)) for W in stacked]}, stacked
 
 
+def pass_inputs(sizes, N, K):
+    """One projection's GEMM inputs for routed group sizes [E] (host): (sizes on the device, torch's int32 end
+    offsets, x [M, K], dy [M, N]), bf16 on the GPU."""
+    M = int(sizes.sum())
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    return sizes.cuda(), torch.cumsum(sizes, 0).to(torch.int32).cuda(), x, dy
+
+
 def ours_call(pname, x, dy, ws, sizes_d, grads):
     """One pass of our segmented GEMM as a callable: fwd x @ ws^T, dgrad dy @ ws, wgrad dy^T @ x into grads."""
     if pname == "fwd":
@@ -117,16 +126,13 @@ def torch_call(pname, x, dy, W, offs):
 def bench_case(name, H, F, E, k, T, skew, gen, variants=VARIANTS, passes=("fwd", "dgrad", "wgrad")):
     sizes = routed_sizes(T, k, E, skew, gen)
     M = int(sizes.sum())
-    sizes_d = sizes.cuda()
-    offs = torch.cumsum(sizes, 0).to(torch.int32).cuda()
     bounds = [0] + torch.cumsum(sizes, 0).tolist()
     rows = []
     shapes = [(2 * F, H), (H, F)]  # up, down
     layouts, stacked = weight_layouts(E, shapes)
     for j, (proj, (N, K)) in enumerate(zip(("up", "down"), shapes)):
         ws, W = layouts["separate"][j], stacked[j]  # W [E, N, K] for torch._grouped_mm
-        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        sizes_d, offs, x, dy = pass_inputs(sizes, N, K)
         grads = {"separate": [torch.empty(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(E)],
                  "stacked": list(torch.empty(E, N, K, device="cuda", dtype=torch.bfloat16).unbind(0))}
         grads["flat"] = grads["stacked"]  # our own output buffer: one allocation either way

@@ -11,7 +11,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench_grouped_gemm import SHAPES, ours_call, routed_sizes, torch_call, weight_layouts
+from bench_grouped_gemm import SHAPES, ours_call, pass_inputs, routed_sizes, torch_call, weight_layouts
 from lrmoe_ds.ops import cuda
 from timing import median_ms_interleaved
 
@@ -23,13 +23,10 @@ def make_calls(shape, tokens, skew, proj, pname):
     """(ours, torch's) callables for one cell, on the inputs bench_grouped_gemm.py builds."""
     H, F, E, k = SHAPES[shape]
     sizes = routed_sizes(tokens, k, E, skew, torch.Generator().manual_seed(0))
-    M = int(sizes.sum())
     N, K = (2 * F, H) if proj == "up" else (H, F)
     layouts, stacked = weight_layouts(E, [(N, K)])
     ws, W = layouts["separate"][0], stacked[0]
-    sizes_d, offs = sizes.cuda(), torch.cumsum(sizes, 0).to(torch.int32).cuda()
-    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    sizes_d, offs, x, dy = pass_inputs(sizes, N, K)
     grads = [torch.empty(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(E)]
     return ours_call(pname, x, dy, ws, sizes_d, grads), torch_call(pname, x, dy, W, offs)
 
