@@ -225,8 +225,8 @@ def test_expert_weight_changed_before_backward_is_an_error():
 
 @pytest.mark.parametrize("ratio", [None, 1.0])
 def test_a_retained_graph_gives_the_same_gradients_again(ratio):
-    """The expert backward writes its activation gradient over the stashed pre-activations: where the graph is
-    retained for another backward, it works on a copy, so the second backward reads what the first did."""
+    """A second backward through a retained graph reads the saved tensors as the first did (a guard for any
+    backward that reuses a saved buffer in place, as ops.swiglu_backward(inplace=True) allows)."""
     layer, x = make_case("softmax", 2, "swiglu", seed=5, skewed=False)
     if ratio is not None:
         layer.configure(lrmoe_ds.LRMoEConfig(enabled=True, retention_ratio=ratio, policy="stash"))
