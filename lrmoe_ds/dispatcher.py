@@ -141,12 +141,13 @@ class _Combine(torch.autograd.Function):
         T, K = row_of_pair.shape
         dout = dout.contiguous()
         d_rows = d_weight = None
-        if ctx.needs_input_grad[0]:
-            weight_of_row = weight.reshape(-1).index_select(0, order)
-            d_rows = ops.permute(dout, order // K, weight_of_row)
-        if ctx.needs_input_grad[2]:
-            d_weight = ops.unpermute_weight_grad(rows, row_of_pair, dout).to(weight.dtype)
-        return d_rows, None, d_weight, None
+        if ctx.needs_input_grad[0] and ctx.needs_input_grad[2]:  # both from one read of dout
+            d_rows, d_weight = ops.unpermute_backward(rows, row_of_pair, weight, dout)
+        elif ctx.needs_input_grad[0]:
+            d_rows = ops.permute(dout, order // K, weight.reshape(-1).index_select(0, order))
+        elif ctx.needs_input_grad[2]:
+            d_weight = ops.unpermute_weight_grad(rows, row_of_pair, dout)
+        return d_rows, None, None if d_weight is None else d_weight.to(weight.dtype), None
 
 
 class _AllToAll(torch.autograd.Function):

@@ -31,8 +31,10 @@ class SwiGLUExpert(nn.Module):
         return ops.swiglu(h)
 
     @staticmethod
-    def act_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
-        return ops.swiglu_backward(h, da)
+    def act_backward(h: torch.Tensor, da: torch.Tensor):
+        """(dh, a): the activation's input gradient and its output recomputed, from one read of h (one
+        fused kernel on CUDA). dh is written over h, which must not be read again."""
+        return ops.swiglu_backward(h, da, inplace=True, with_activation=True)
 
     def projections(self):
         return self.gate_up_proj.weight, self.down_proj.weight
@@ -56,8 +58,9 @@ class GELUExpert(nn.Module):
         return F.gelu(h)
 
     @staticmethod
-    def act_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten.gelu_backward(da, h)
+    def act_backward(h: torch.Tensor, da: torch.Tensor):
+        """(dh, a), as :meth:`SwiGLUExpert.act_backward` (here two torch ops, h left as it is)."""
+        return torch.ops.aten.gelu_backward(da, h), F.gelu(h)
 
     def projections(self):
         return self.fc1.weight, self.fc2.weight
@@ -80,7 +83,8 @@ def mlp_forward(x: torch.Tensor, w1: Sequence[torch.Tensor], w2: Sequence[torch.
 @dataclass
 class BackwardRows:
     """The row buffers one expert backward reads, handed over to :func:`mlp_backward`, which drops
-    each as soon as it has used it (so the caller must keep no reference of its own).
+    each as soon as it has used it (so the caller must keep no reference of its own) and may write
+    over h.
 
     dy [M, H]: output gradients.  x [M, H]: inputs.  h [M, F1] or None: pre-activations (None: recompute from x).
     """
@@ -102,8 +106,9 @@ def mlp_backward(rows: BackwardRows, w1: Sequence[torch.Tensor], w2: Sequence[to
     rows.x = rows.h = rows.dy = None
     if h is None:
         h = ops.grouped_linear(x, w1, group_sizes)
-    a = expert_type.act(h)
     da = ops.grouped_linear_dgrad(dy, w2, group_sizes)
+    dh, a = expert_type.act_backward(h, da)                      # h's buffer may now hold dh
+    del h, da
     dw2 = _stacked_wgrad(dy, a, group_sizes)
     y_dot_dy = None
     if want_output_dot:
@@ -111,8 +116,6 @@ def mlp_backward(rows: BackwardRows, w1: Sequence[torch.Tensor], w2: Sequence[to
         y_dot_dy = ops.unpermute_weight_grad(y, torch.arange(y.shape[0], device=y.device).view(-1, 1), dy).view(-1)
         del y
     del a, dy
-    dh = expert_type.act_backward(h, da)
-    del h, da
     dw1 = _stacked_wgrad(dh, x, group_sizes)
     del x
     dx = ops.grouped_linear_dgrad(dh, w1, group_sizes)

@@ -28,6 +28,13 @@ def _row_norms(t: torch.Tensor) -> torch.Tensor:
     return t.norm(dim=1, dtype=torch.promote_types(t.dtype, torch.float32))
 
 
+def _graph_kept() -> bool:
+    """Whether the running backward keeps its graph (``retain_graph=True``), so that its saved tensors are read
+    again. Torch's own AOT autograd asks the same private function; where it is missing, assume kept."""
+    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if keep is None else bool(keep())
+
+
 def _version_sum(tensors) -> int:
     return sum(t._version for t in tensors)
 
@@ -111,13 +118,17 @@ class RoutedMLP(torch.autograd.Function):
         src = plan.order // K                                           # send row -> token
         weight_of_row = topk_weight.reshape(-1).index_select(0, plan.order)
         want_router = ctx.needs_input_grad[1]
-        d_weight = None
+        shares, replicas = spec.shares, spec.replicas
+        d_weight = dy = None
         if want_router and spec.router_grad == "exact":
-            d_weight = ops.unpermute_weight_grad(y_src, plan.row_of_pair, dout).to(topk_weight.dtype)
+            if shares is None:  # every pair kept: the combine's two gradients (dy_p = w_p dout_t) from one read of dout
+                dy, d_weight = ops.unpermute_backward(y_src, plan.row_of_pair, topk_weight, dout)
+            else:
+                d_weight = ops.unpermute_weight_grad(y_src, plan.row_of_pair, dout)
+            d_weight = d_weight.to(topk_weight.dtype)
 
         kept = kept_pairs = None
         splits, gate, row_weight = plan, weight_of_row, weight_of_row   # gate g_p and dy's weight, per send row
-        shares, replicas = spec.shares, spec.replicas
         if replicas is not None and spec.policy != "recompute":
             raise RuntimeError("replicas run retained rows under the recompute policy only (a stash stays at home)")
         if shares is not None:
@@ -154,11 +165,14 @@ class RoutedMLP(torch.autograd.Function):
             if spec.record is not None:
                 spec.record.update(kept=kept, scale=scale, pairs=kept_pairs)
 
-        dy = ops.permute(dout, src, row_weight)                          # dy_p = w_p dout_t, one pass
+        if dy is None:
+            dy = ops.permute(dout, src, row_weight)                      # dy_p = w_p dout_t, one pass
         if spec.policy == "stash":
             if kept is not None:
                 at_experts = disp.positions_at_experts(kept, plan, splits)
                 rows, h = ops.permute(rows, at_experts), ops.permute(h, at_experts)
+            elif _graph_kept():  # mlp_backward writes over h, which a kept graph's next backward reads again
+                h = h.clone()
         else:
             rows = disp.to_experts(ops.permute(x, src), splits)
         want_y = want_router and spec.router_grad == "retained"
