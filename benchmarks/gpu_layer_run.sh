@@ -3,7 +3,7 @@
 # layer_retention_h200.md), the layer's host time at 256 tokens (host_time_h200.md), a profile of one
 # shape with its Chrome traces (one .tar, so it comes back as one file), and (TRAIN_STEPS > 0) a short train.py run on one GPU. Logs go to $OUT.
 # Usage (from the repo root, .whl carried):
-#   bash benchmarks/gpu_layer_run.sh  # BENCH_ARGS (e.g. "--shapes glm-4.5-air"), BENCH_TIMEOUT, BENCH2_ARGS, PROFILE_ARGS, PROFILE_TIMEOUT (0: none), TRAIN_STEPS, RUN_TESTS (0: no tests)
+#   bash benchmarks/gpu_layer_run.sh  # BENCH_ARGS (e.g. "--shapes glm-4.5-air"), BENCH_TIMEOUT, BENCH2_ARGS, PROFILE_ARGS, PROFILE_TIMEOUT (0: none), TRAIN_STEPS, RUN_TESTS (0: no tests), HOST_TIMEOUT (0: no host_time.py)
 source benchmarks/gpu_setup.sh || exit 1
 cp -r tests pytest.ini benchmarks train.py ds_configs /tmp/pkg/ && cd /tmp/pkg || exit 1
 ( time python3 -c "from lrmoe_ds import ops; print(ops.cuda_ops_status())" ) > $OUT/build.log 2>&1; tail -4 $OUT/build.log
@@ -22,7 +22,7 @@ if [ -n "${BENCH2_ARGS:-}" ]; then
   grep -E "^\| (grouped|DeepSpeed|LRMoE)|^## " $OUT/layer_bench2_h200.md | cut -d'|' -f1-5,7,9
 fi
 # the host's share at 256 tokens, where the GPU idles (the stacked expert weights' effect shows here)
-timeout 120 python3 benchmarks/host_time.py --shape qwen3-30b-a3b --tokens 256 --ratio 0.5 --out $OUT/host_time_h200.md \
+[ "${HOST_TIMEOUT:-120}" -gt 0 ] && timeout ${HOST_TIMEOUT:-120} python3 benchmarks/host_time.py --shape qwen3-30b-a3b --tokens 256 --ratio 0.5 --out $OUT/host_time_h200.md \
   > $OUT/host_time.log 2>&1; echo "host_time rc=$?"; grep -A5 "^| layer" $OUT/host_time_h200.md
 [ "${PROFILE_TIMEOUT:-80}" -gt 0 ] && timeout ${PROFILE_TIMEOUT:-80} python3 benchmarks/profile_layer.py \
   ${PROFILE_ARGS:---shape qwen3-30b-a3b --tokens 8192 --policies stash recompute} --trace /tmp/traces \
