@@ -3,7 +3,8 @@
 # bench_layer.py per shape, this tree then the old one, in turns, AB_ROUNDS times (default 1), as long as AB_SECONDS (default 480) allow.
 # Usage (from the repo root, .whl carried; ab_old is an untracked folder, so it travels with the tree):
 #   mkdir ab_old && git archive <old commit> lrmoe_ds ops | tar -x -C ab_old
-#   bash benchmarks/gpu_layer_ab.sh ab_old      # AB_ARGS: bench_layer.py's arguments; AB_TESTS: pytest's files
+#   bash benchmarks/gpu_layer_ab.sh ab_old      # AB_ARGS: bench_layer.py's arguments; AB_TESTS: pytest's files;
+#                                               # AB_SHAPES: the shapes, one process each (default both)
 # Logs and tables go to $OUT: ab_<shape>_{new,old}_<n>.md (keep under 8 files: the device returns no more).
 old=${1:?the folder of the old library (lrmoe_ds/ and ops/)}
 source benchmarks/gpu_setup.sh || exit 1
@@ -21,7 +22,7 @@ wait $old_build; tail -1 /tmp/build_old.log
 args=${AB_ARGS:---ratios 1.0 0.5 --policies stash --back_to_back 4 --reps 8}
 limit=${AB_SECONDS:-480}
 for n in $(seq ${AB_ROUNDS:-1}); do
-  for shape in glm-4.5-air qwen3-30b-a3b; do
+  for shape in ${AB_SHAPES:-glm-4.5-air qwen3-30b-a3b}; do
     for lib in new old; do
       left=$((limit - SECONDS)); [ $left -lt 40 ] && { echo "no time left for $shape $lib $n"; continue; }
       if [ $lib = old ]; then env="TORCH_EXTENSIONS_DIR=/tmp/ext_old PYTHONPATH=/tmp/pkgold:/tmp/site"; else env=""; fi

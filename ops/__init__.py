@@ -129,10 +129,11 @@ def swiglu(h: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
 
 
 def swiglu_backward(h: torch.Tensor, da: torch.Tensor, inplace: bool = False, with_activation: bool = False,
-                    backend: Optional[str] = None):
+                    index: Optional[torch.Tensor] = None, backend: Optional[str] = None):
     """dh [M, 2F] of :func:`swiglu` from h [M, 2F] and da [M, F]; ``inplace``: written over h;
-    ``with_activation``: returns (dh, swiglu(h)) from one read of h."""
-    return _select("swiglu_backward", backend, h)(h, da, inplace, with_activation)
+    ``with_activation``: returns (dh, swiglu(h)) from one read of h; ``index`` [M] int64: read h's rows
+    index[m] instead (h [Mh, 2F]; not with inplace)."""
+    return _select("swiglu_backward", backend, h)(h, da, inplace, with_activation, index)
 
 
 def grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], group_sizes: torch.Tensor,

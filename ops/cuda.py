@@ -118,13 +118,19 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def swiglu_backward(h: torch.Tensor, da: torch.Tensor, inplace: bool = False, with_activation: bool = False):
+def swiglu_backward(h: torch.Tensor, da: torch.Tensor, inplace: bool = False, with_activation: bool = False,
+                    index: Optional[torch.Tensor] = None):
+    if inplace and index is not None:
+        raise ValueError("swiglu_backward: inplace writes over h's own rows; it takes no index")
     if inplace and not h.is_contiguous():
         raise ValueError("swiglu_backward: inplace needs a contiguous h")
     h, da = h.contiguous(), da.contiguous()
-    dh = h if inplace else torch.empty_like(h)
-    a = h.new_empty(h.shape[0], h.shape[1] // 2) if with_activation and h.dim() == 2 else None
-    load().swiglu_backward(h, da, dh, a)
+    if index is not None:
+        index = index.contiguous()
+    M = h.shape[0] if index is None else index.shape[0]
+    dh = h if inplace else h.new_empty((M,) + tuple(h.shape[1:]))
+    a = h.new_empty(M, h.shape[1] // 2) if with_activation and h.dim() == 2 else None
+    load().swiglu_backward(h, da, dh, a, index)
     return (dh, a) if with_activation else dh
 
 

@@ -98,12 +98,21 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def swiglu_backward(h: torch.Tensor, da: torch.Tensor, inplace: bool = False, with_activation: bool = False):
+def swiglu_backward(h: torch.Tensor, da: torch.Tensor, inplace: bool = False, with_activation: bool = False,
+                    index: Optional[torch.Tensor] = None):
     """dh [M, 2F] of :func:`swiglu` from h and da [M, F]; computed in the wider of h's dtype and float32.
 
     ``inplace``: dh is written over h (h's values are read first) and h is returned: the backward's
     buffers need not hold both. ``with_activation``: returns (dh, a), a = swiglu(h) from the same h (the
-    backward recomputes it for the down projection's weight gradient)."""
+    backward recomputes it for the down projection's weight gradient). ``index`` [M] (int64): the rows
+    of h [Mh, 2F] to read, output row m from h[index[m]] (the retained rows of a stash, without a copy
+    of them first); not with ``inplace``."""
+    if index is not None:
+        if inplace:
+            raise ValueError("swiglu_backward: inplace writes over h's own rows; it takes no index")
+        if index.dim() != 1 or index.dtype != torch.int64:
+            raise ValueError(f"swiglu_backward: index must be int64 [M], got {index.dtype} {tuple(index.shape)}")
+        h = h.index_select(0, index)  # an index out of h's rows raises here
     acc = torch.promote_types(h.dtype, torch.float32)
     gate, up = h.to(acc).chunk(2, dim=-1)
     da = da.to(acc)

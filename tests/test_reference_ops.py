@@ -156,6 +156,25 @@ def test_swiglu_backward_in_place_with_activation(dtype):
     assert dh.data_ptr() == buffer.data_ptr() and torch.equal(buffer, dh_ref) and torch.equal(a, a_ref)
 
 
+def test_swiglu_backward_reads_the_indexed_rows():
+    """index: output row m from h[index[m]] (repeats and any order), the bits of a gather first; bad index errors."""
+    gen = torch.Generator().manual_seed(8)
+    h = (3 * torch.randn(9, 10, generator=gen)).to(torch.bfloat16)
+    index = torch.tensor([4, 0, 8, 4, 2])
+    da = torch.randn(5, 5, generator=gen).to(torch.bfloat16)
+    before = h.clone()
+    dh, a = ref.swiglu_backward(h, da, with_activation=True, index=index)
+    assert torch.equal(dh, ref.swiglu_backward(h[index], da)) and torch.equal(a, ref.swiglu(h[index]))
+    assert torch.equal(h, before)
+    assert ref.swiglu_backward(h, da[:0], index=index[:0]).shape == (0, 10)
+    with pytest.raises(ValueError, match="inplace"):
+        ref.swiglu_backward(h, da, inplace=True, index=index)
+    with pytest.raises(ValueError, match="int64"):
+        ref.swiglu_backward(h, da, index=index.int())
+    with pytest.raises(IndexError):
+        ref.swiglu_backward(h, da, index=torch.tensor([0, 1, 2, 3, 9]))
+
+
 def test_swiglu_backward_is_autograds():
     gen = torch.Generator().manual_seed(4)
     h = (3 * torch.randn(9, 10, generator=gen, dtype=torch.float64)).requires_grad_(True)

@@ -39,15 +39,19 @@ __global__ void swiglu_kernel(const T* __restrict__ h, T* __restrict__ a, int64_
 // dh may be h itself (no __restrict__ on either): each pack is read before the same thread overwrites it.
 // WITH_ACT: also a = silu(g) * up, as swiglu_kernel computes it, from the same read of h (the backward
 // recomputes the activation for the down projection's weight gradient; one pass instead of two).
+// index (or nullptr): output row m reads h's row index[m] of Mh (the retained rows of a stash, gathered in
+// the same pass instead of copied first).
 template <typename T, int VEC, bool WITH_ACT>
 __global__ void swiglu_backward_kernel(const T* h, const T* __restrict__ da, T* dh, T* __restrict__ a, int64_t M,
-                                       int64_t F) {
+                                       int64_t F, const int64_t* __restrict__ index, int64_t Mh) {
   using P = Pack<T, VEC>;
   const int64_t per_row = F / VEC, n = M * per_row;
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t m = i / per_row, c = i - m * per_row;
-    const P g = reinterpret_cast<const P*>(h + m * 2 * F)[c];
-    const P u = reinterpret_cast<const P*>(h + m * 2 * F + F)[c];
+    const int64_t r = index != nullptr ? index[m] : m;
+    LRMOE_DEVICE_ASSERT(r >= 0 && r < Mh, "swiglu_backward: index out of range [0, rows of h)");
+    const P g = reinterpret_cast<const P*>(h + r * 2 * F)[c];
+    const P u = reinterpret_cast<const P*>(h + r * 2 * F + F)[c];
     const P d = reinterpret_cast<const P*>(da + m * F)[c];
     P dg, du, act;
 #pragma unroll
@@ -95,7 +99,7 @@ void swiglu(const void* h, DType dtype, int64_t M, int64_t F, void* a, cudaStrea
 }
 
 void swiglu_backward(const void* h, const void* da, DType dtype, int64_t M, int64_t F, void* dh, void* a,
-                     cudaStream_t stream) {
+                     const int64_t* index, int64_t Mh, cudaStream_t stream) {
   if (M == 0 || F == 0) return;
   dispatch_float(dtype, [&](auto tag) {
     using T = decltype(tag);
@@ -107,10 +111,10 @@ void swiglu_backward(const void* h, const void* da, DType dtype, int64_t M, int6
       const auto* dap = static_cast<const T*>(da);
       if (a != nullptr)
         swiglu_backward_kernel<T, VEC, true><<<blocks_for(n, 256), 256, 0, stream>>>(
-            hp, dap, static_cast<T*>(dh), static_cast<T*>(a), M, F);
+            hp, dap, static_cast<T*>(dh), static_cast<T*>(a), M, F, index, Mh);
       else
         swiglu_backward_kernel<T, VEC, false><<<blocks_for(n, 256), 256, 0, stream>>>(
-            hp, dap, static_cast<T*>(dh), nullptr, M, F);
+            hp, dap, static_cast<T*>(dh), nullptr, M, F, index, Mh);
     });
   });
   LRMOE_LAUNCH_CHECK("swiglu_backward");

@@ -14,8 +14,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unpermute_backward", &lrmoe::unpermute_backward_op,
         "the combine's rows and weight gradients in one pass: d_rows[row_of_pair[t,k]] = w[t,k] dout[t], d_weight");
   m.def("swiglu_backward", &lrmoe::swiglu_backward_op,
-        "dh of swiglu from h and da (dh may be h: in place), and a = swiglu(h) if given", pybind11::arg("h"),
-        pybind11::arg("da"), pybind11::arg("dh"), pybind11::arg("a") = pybind11::none());
+        "dh of swiglu from h (its rows index[m] if given) and da (dh may be h: in place), and a = swiglu(h) if given",
+        pybind11::arg("h"), pybind11::arg("da"), pybind11::arg("dh"), pybind11::arg("a") = pybind11::none(),
+        pybind11::arg("index") = pybind11::none());
   m.def("topk_retention", &lrmoe::topk_retention_op, "quota-aware top-k retention per group");
   m.def("capacity_route", &lrmoe::capacity_route_op, "assign retained pairs to instances under capacities");
   m.def("router_topk", &lrmoe::router_topk_op,

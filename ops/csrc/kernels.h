@@ -46,7 +46,7 @@ void unpermute_weight_grad(const void* rows, DType rtype, int64_t P, int64_t H, 
 // (the forward recomputed from the same read of h). fp32 arithmetic, one rounding per output.
 void swiglu(const void* h, DType dtype, int64_t M, int64_t F, void* a, cudaStream_t stream);
 void swiglu_backward(const void* h, const void* da, DType dtype, int64_t M, int64_t F, void* dh, void* a,
-                     cudaStream_t stream);
+                     const int64_t* index, int64_t Mh, cudaStream_t stream);
 
 // Quota-aware top-k; see retention.cu. kept [P] (the first sum_g min(q_g, n_g) entries are written),
 // kept_sizes [G] int64, threshold [G] in scores' dtype, summary [3] int64 = (kept total, sum of

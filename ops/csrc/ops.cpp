@@ -169,18 +169,27 @@ void swiglu_op(const at::Tensor& h, at::Tensor& out) {
   swiglu(h.data_ptr(), dt, h.size(0), h.size(1) / 2, out.data_ptr(), stream());
 }
 
-void swiglu_backward_op(const at::Tensor& h, const at::Tensor& da, at::Tensor& dh, const c10::optional<at::Tensor>& a) {
+void swiglu_backward_op(const at::Tensor& h, const at::Tensor& da, at::Tensor& dh, const c10::optional<at::Tensor>& a,
+                        const c10::optional<at::Tensor>& index) {
   check_cuda(h, "swiglu_backward: h");
   check_cuda(da, "swiglu_backward: da");
-  LRMOE_CHECK(h.dim() == 2 && h.size(1) % 2 == 0, "swiglu_backward: h must be [M, 2F], got shape ", h.sizes());
-  LRMOE_CHECK(da.dim() == 2 && da.size(0) == h.size(0) && da.size(1) == h.size(1) / 2 &&
-                  da.scalar_type() == h.scalar_type(),
-              "swiglu_backward: da must be [M, F] = [", h.size(0), ", ", h.size(1) / 2, "] in ", h.scalar_type(),
-              ", got ", da.scalar_type(), " ", da.sizes());
+  LRMOE_CHECK(h.dim() == 2 && h.size(1) % 2 == 0, "swiglu_backward: h must be [Mh, 2F], got shape ", h.sizes());
+  int64_t M = h.size(0);  // rows of the outputs: h's, or the index's
+  if (index.has_value()) {
+    check_cuda(*index, "swiglu_backward: index");
+    LRMOE_CHECK(index->dim() == 1 && index->scalar_type() == at::kLong && index->is_contiguous(),
+                "swiglu_backward: index must be a contiguous int64 [M], got ", index->scalar_type(), " ",
+                index->sizes());
+    M = index->size(0);
+  }
+  LRMOE_CHECK(da.dim() == 2 && da.size(0) == M && da.size(1) == h.size(1) / 2 && da.scalar_type() == h.scalar_type(),
+              "swiglu_backward: da must be [M, F] = [", M, ", ", h.size(1) / 2, "] in ", h.scalar_type(), ", got ",
+              da.scalar_type(), " ", da.sizes());
   const DType dt = dtype_of(h, "swiglu_backward: h");
-  check_out(dh, h.sizes(), h.scalar_type(), h, "swiglu_backward: dh");
-  // dh is h itself (in place) or apart from it; nothing else may share memory
-  at::assert_no_partial_overlap(dh, h);
+  check_out(dh, {M, h.size(1)}, h.scalar_type(), h, "swiglu_backward: dh");
+  // dh is h itself (in place, without an index) or apart from it; nothing else may share memory
+  if (index.has_value()) at::assert_no_overlap(dh, h);
+  else at::assert_no_partial_overlap(dh, h);
   at::assert_no_overlap(dh, da);
   if (a.has_value()) {
     check_out(*a, da.sizes(), h.scalar_type(), h, "swiglu_backward: a");
@@ -188,8 +197,9 @@ void swiglu_backward_op(const at::Tensor& h, const at::Tensor& da, at::Tensor& d
     at::assert_no_overlap(*a, da);
   }
   const c10::cuda::CUDAGuard guard(h.device());
-  swiglu_backward(h.data_ptr(), da.data_ptr(), dt, h.size(0), h.size(1) / 2, dh.data_ptr(),
-                  a.has_value() ? a->data_ptr() : nullptr, stream());
+  swiglu_backward(h.data_ptr(), da.data_ptr(), dt, M, h.size(1) / 2, dh.data_ptr(),
+                  a.has_value() ? a->data_ptr() : nullptr,
+                  index.has_value() ? index->data_ptr<int64_t>() : nullptr, h.size(0), stream());
 }
 
 void topk_retention_op(const at::Tensor& scores, const at::Tensor& group_sizes, const at::Tensor& quotas,

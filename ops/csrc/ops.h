@@ -37,7 +37,8 @@ void unpermute_weight_grad_op(const at::Tensor& rows, const at::Tensor& row_of_p
 void swiglu_op(const at::Tensor& h, at::Tensor& out);
 void unpermute_backward_op(const at::Tensor& rows, const at::Tensor& row_of_pair, const at::Tensor& weight,
                            const at::Tensor& dout, at::Tensor& d_rows, at::Tensor& d_weight);
-void swiglu_backward_op(const at::Tensor& h, const at::Tensor& da, at::Tensor& dh, const c10::optional<at::Tensor>& a);
+void swiglu_backward_op(const at::Tensor& h, const at::Tensor& da, at::Tensor& dh, const c10::optional<at::Tensor>& a,
+                        const c10::optional<at::Tensor>& index);
 void topk_retention_op(const at::Tensor& scores, const at::Tensor& group_sizes, const at::Tensor& quotas,
                        at::Tensor& kept, at::Tensor& kept_sizes, at::Tensor& threshold, at::Tensor& summary);
 void capacity_route_op(const at::Tensor& pair_group, const at::Tensor& pair_rank, const at::Tensor& instance_group,

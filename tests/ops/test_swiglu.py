@@ -46,6 +46,36 @@ def test_fused_backward_in_place_is_the_two_kernels(ext, M, F, dtype):
     assert torch.equal(ops.swiglu_backward(h.clone(), da, inplace=True, backend="cuda"), dh_ref)
 
 
+@pytest.mark.parametrize("M,F,dtype", list(itertools.product([0, 1, 37, 4096], [5, 1408], DTYPES)))
+def test_indexed_backward_is_a_gather_then_the_kernel(ext, M, F, dtype):
+    """index: dh and a from h's rows index[m] (a random subset with repeats, in any order), the very bits of
+    permute then swiglu_backward; h is left as it is (both pack widths)."""
+    gen = torch.Generator().manual_seed(M + 17 * F)
+    h = (4 * torch.randn(M + 3, 2 * F, generator=gen)).to(dtype).cuda()
+    index = torch.randint(0, M + 3, (M,), generator=gen).cuda()
+    da = torch.randn(M, F, generator=gen).to(dtype).cuda()
+    gathered = ops.permute(h, index, backend="cuda")
+    dh_ref, a_ref = ops.swiglu_backward(gathered, da, with_activation=True, backend="cuda")
+    before = h.clone()
+    dh, a = ops.swiglu_backward(h, da, with_activation=True, index=index, backend="cuda")
+    assert dh.shape == (M, 2 * F) and torch.equal(dh, dh_ref) and torch.equal(a, a_ref)
+    assert torch.equal(ops.swiglu_backward(h, da, index=index, backend="cuda"), dh_ref)
+    assert torch.equal(h, before)
+
+
+def test_indexed_backward_rejects_bad_input(ext):
+    h, da = torch.randn(6, 16, device="cuda"), torch.randn(4, 8, device="cuda")
+    index = torch.tensor([5, 0, 2, 2], device="cuda")
+    with pytest.raises(ValueError, match="inplace"):
+        ops.swiglu_backward(h, da, inplace=True, index=index, backend="cuda")
+    with pytest.raises(RuntimeError, match="int64"):
+        ext.swiglu_backward(h, da, torch.empty(4, 16, device="cuda"), None, index.int())
+    with pytest.raises(RuntimeError, match="da must be"):
+        ext.swiglu_backward(h, da, torch.empty(4, 16, device="cuda"), None, index[:3])
+    with pytest.raises(RuntimeError, match="memory location"):  # dh over h: with an index, never in place
+        ext.swiglu_backward(h, da, h[:4], None, index)
+
+
 def test_fused_backward_rejects_overlaps(ext):
     """dh is h itself or apart from it; a shares memory with nothing: else torch's overlap error, not a race."""
     buffer = torch.randn(4 * 16 + 8, device="cuda")
