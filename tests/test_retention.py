@@ -292,7 +292,7 @@ def test_full_quota_selection_is_bit_exact(monkeypatch):
     assert torch.equal(dx_one, dx_exact) and all(torch.equal(a, b) for a, b in zip(grads_one, grads_exact))
 
 
-def reference_retained_grads(layer, x, proj, pairs, scale, router_grad="exact"):
+def reference_retained_grads(layer, x, proj, pairs, scale, router_grad="exact", activation="swiglu"):
     """fp64 loop over pairs: expert weights and dx's expert path from the selected pairs alone, each
     weighted by its scale; the router's gradient from every pair ("exact") or the selected ones."""
     xr = x.clone().requires_grad_(True)
@@ -309,7 +309,7 @@ def reference_retained_grads(layer, x, proj, pairs, scale, router_grad="exact"):
     for t in range(T):
         for j in range(K):
             e, p = int(idx[t, j]), t * K + j
-            y = expert_forward("swiglu", w1s[e], w2s[e], xr[t])
+            y = expert_forward(activation, w1s[e], w2s[e], xr[t])
             if p in weight:   # the expert's own gradient: retained pairs only, weighted
                 loss = loss + weight[p] * gates[t, j].detach() * (y * proj[t]).sum()
             if router_grad == "exact" or p in weight:
@@ -320,15 +320,16 @@ def reference_retained_grads(layer, x, proj, pairs, scale, router_grad="exact"):
     return xr.grad, [wg.grad] + stacked   # layer.parameters() order
 
 
-@pytest.mark.parametrize("policy,router_grad,selection,allocation",
-                         [("stash", "exact", "priority_sampling", "waterfill"),
-                          ("recompute", "exact", "priority_sampling", "waterfill"),
-                          ("stash", "retained", "priority_sampling", "waterfill"),
-                          ("recompute", "retained", "topk", "waterfill"),
-                          ("stash", "exact", "priority_sampling", "threshold"),
-                          ("recompute", "retained", "priority_sampling", "threshold")])
-def test_gradients_are_those_of_the_selected_pairs(policy, router_grad, selection, allocation):
-    layer, x = make_layer(1)
+@pytest.mark.parametrize("policy,router_grad,selection,allocation,activation",
+                         [("stash", "exact", "priority_sampling", "waterfill", "swiglu"),
+                          ("recompute", "exact", "priority_sampling", "waterfill", "swiglu"),
+                          ("stash", "retained", "priority_sampling", "waterfill", "swiglu"),
+                          ("recompute", "retained", "topk", "waterfill", "swiglu"),
+                          ("stash", "exact", "priority_sampling", "threshold", "swiglu"),
+                          ("recompute", "retained", "priority_sampling", "threshold", "swiglu"),
+                          ("stash", "exact", "priority_sampling", "waterfill", "gelu")])
+def test_gradients_are_those_of_the_selected_pairs(policy, router_grad, selection, allocation, activation):
+    layer, x = make_layer(1, activation=activation)
     x[:, 0] = 3.0                      # a hot expert, so that its quota binds
     layer.keep_last_selection = True
     configure(layer, retention_ratio=0.5, policy=policy, router_grad=router_grad, selection=selection,
@@ -341,7 +342,7 @@ def test_gradients_are_those_of_the_selected_pairs(policy, router_grad, selectio
     if allocation == "threshold":  # one threshold: half of the pairs, each expert's count chosen by the sample
         assert pairs.numel() == T * K // 2 and torch.equal(stats.quotas, stats.counts)
     proj = torch.linspace(-1, 1, T * H, dtype=torch.float64).view(T, H)
-    ref_dx, ref_grads = reference_retained_grads(layer, x, proj, pairs, scale, router_grad)
+    ref_dx, ref_grads = reference_retained_grads(layer, x, proj, pairs, scale, router_grad, activation)
     for name, a, b in [("dx", dx, ref_dx)] + [(f"param {i}", a, b) for i, (a, b) in enumerate(zip(grads, ref_grads))]:
         assert torch.allclose(a, b, rtol=1e-9, atol=1e-12), name
     # the selected pairs are, per expert, the quota's largest keys: recompute them from the metric
