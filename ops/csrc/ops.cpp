@@ -177,9 +177,9 @@ void swiglu_backward_op(const at::Tensor& h, const at::Tensor& da, at::Tensor& d
   int64_t M = h.size(0);  // rows of the outputs: h's, or the index's
   if (index.has_value()) {
     check_cuda(*index, "swiglu_backward: index");
-    LRMOE_CHECK(index->dim() == 1 && index->scalar_type() == at::kLong && index->is_contiguous(),
-                "swiglu_backward: index must be a contiguous int64 [M], got ", index->scalar_type(), " ",
-                index->sizes());
+    LRMOE_CHECK(index->dim() == 1 && index->scalar_type() == at::kLong && index->device() == h.device(),
+                "swiglu_backward: index must be int64 [M] on ", h.device(), ", got ", index->scalar_type(), " ",
+                index->sizes(), " on ", index->device());
     M = index->size(0);
   }
   LRMOE_CHECK(da.dim() == 2 && da.size(0) == M && da.size(1) == h.size(1) / 2 && da.scalar_type() == h.scalar_type(),
