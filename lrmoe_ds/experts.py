@@ -31,10 +31,12 @@ class SwiGLUExpert(nn.Module):
         return ops.swiglu(h)
 
     @staticmethod
-    def act_backward(h: torch.Tensor, da: torch.Tensor):
+    def act_backward(h: torch.Tensor, da: torch.Tensor, index: Optional[torch.Tensor] = None):
         """(dh, a): the activation's input gradient and its output recomputed, from one read of h (one
-        fused kernel on CUDA). dh is written over h, which must not be read again."""
-        return ops.swiglu_backward(h, da, inplace=True, with_activation=True)
+        fused kernel on CUDA). Without ``index`` dh is written over h, which must not be read again; with
+        it, the rows ``h[index]`` are read (a stash's retained rows, gathered in the same pass) and h is
+        left as it is."""
+        return ops.swiglu_backward(h, da, inplace=index is None, with_activation=True, index=index)
 
     def projections(self):
         return self.gate_up_proj.weight, self.down_proj.weight
@@ -58,8 +60,10 @@ class GELUExpert(nn.Module):
         return F.gelu(h)
 
     @staticmethod
-    def act_backward(h: torch.Tensor, da: torch.Tensor):
-        """(dh, a), as :meth:`SwiGLUExpert.act_backward` (here two torch ops, h left as it is)."""
+    def act_backward(h: torch.Tensor, da: torch.Tensor, index: Optional[torch.Tensor] = None):
+        """(dh, a), as :meth:`SwiGLUExpert.act_backward` (here torch ops, h left as it is)."""
+        if index is not None:
+            h = h.index_select(0, index)
         return torch.ops.aten.gelu_backward(da, h), F.gelu(h)
 
     def projections(self):
@@ -87,10 +91,13 @@ class BackwardRows:
     over h.
 
     dy [M, H]: output gradients.  x [M, H]: inputs.  h [M, F1] or None: pre-activations (None: recompute from x).
+    h_index [M] int64 or None: with it, h holds more rows [Mh, F1] and row m's pre-activation is h[h_index[m]]
+    (the retained rows of a stash, read where they are instead of copied first).
     """
     dy: Optional[torch.Tensor]
     x: Optional[torch.Tensor]
     h: Optional[torch.Tensor] = None
+    h_index: Optional[torch.Tensor] = None
 
 
 def mlp_backward(rows: BackwardRows, w1: Sequence[torch.Tensor], w2: Sequence[torch.Tensor], expert_type,
@@ -102,12 +109,12 @@ def mlp_backward(rows: BackwardRows, w1: Sequence[torch.Tensor], w2: Sequence[to
     ``want_output_dot`` (the retained-pairs router gradient), else None. The order of the steps and
     the freeing of ``rows`` keep at most about three [M, *] buffers alive at once.
     """
-    x, h, dy = rows.x, rows.h, rows.dy
-    rows.x = rows.h = rows.dy = None
+    x, h, dy, h_index = rows.x, rows.h, rows.dy, rows.h_index
+    rows.x = rows.h = rows.dy = rows.h_index = None
     if h is None:
         h = ops.grouped_linear(x, w1, group_sizes)
     da = ops.grouped_linear_dgrad(dy, w2, group_sizes)
-    dh, a = expert_type.act_backward(h, da)                      # h's buffer may now hold dh
+    dh, a = expert_type.act_backward(h, da, h_index)             # without h_index, h's buffer may now hold dh
     del h, da
     dw2 = _stacked_wgrad(dy, a, group_sizes)
     y_dot_dy = None

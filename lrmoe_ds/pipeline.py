@@ -167,16 +167,17 @@ class RoutedMLP(torch.autograd.Function):
 
         if dy is None:
             dy = ops.permute(dout, src, row_weight)                      # dy_p = w_p dout_t, one pass
+        h_index = None
         if spec.policy == "stash":
-            if kept is not None:
-                at_experts = disp.positions_at_experts(kept, plan, splits)
-                rows, h = ops.permute(rows, at_experts), ops.permute(h, at_experts)
+            if kept is not None:  # the retained rows: x's copied for the GEMMs, h's read in place by the activation
+                h_index = disp.positions_at_experts(kept, plan, splits).long()
+                rows = ops.permute(rows, h_index)
             elif _graph_kept():  # mlp_backward writes over h, which a kept graph's next backward reads again
                 h = h.clone()
         else:
             rows = disp.to_experts(ops.permute(x, src), splits)
         want_y = want_router and spec.router_grad == "retained"
-        handed = BackwardRows(disp.to_experts(dy, splits), rows, h)
+        handed = BackwardRows(disp.to_experts(dy, splits), rows, h, h_index)
         del dy, rows, h                                                 # mlp_backward frees them as it goes
         if replicas is not None:  # the replica slots' weights from their homes
             exchange, El, S = replicas.weight_exchange(rank), len(w1), replicas.replica_expert.shape[1]
