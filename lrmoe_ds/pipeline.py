@@ -118,13 +118,11 @@ class RoutedMLP(torch.autograd.Function):
         src = plan.order // K                                           # send row -> token
         weight_of_row = topk_weight.reshape(-1).index_select(0, plan.order)
         want_router = ctx.needs_input_grad[1]
+        exact_router = want_router and spec.router_grad == "exact"
         shares, replicas = spec.shares, spec.replicas
         d_weight = dy = None
-        if want_router and spec.router_grad == "exact":
-            if shares is None:  # every pair kept: the combine's two gradients (dy_p = w_p dout_t) from one read of dout
-                dy, d_weight = ops.unpermute_backward(y_src, plan.row_of_pair, topk_weight, dout)
-            else:
-                d_weight = ops.unpermute_weight_grad(y_src, plan.row_of_pair, dout)
+        if exact_router and shares is None:  # the combine's two gradients (dy_p = w_p dout_t) from one read of dout
+            dy, d_weight = ops.unpermute_backward(y_src, plan.row_of_pair, topk_weight, dout)
             d_weight = d_weight.to(topk_weight.dtype)
 
         kept = kept_pairs = None
@@ -164,6 +162,14 @@ class RoutedMLP(torch.autograd.Function):
             src = src.index_select(0, kept)
             if spec.record is not None:
                 spec.record.update(kept=kept, scale=scale, pairs=kept_pairs)
+            # pair -> its retained send row; a dropped pair has none (-1): dy's rows and dx's combine go by it
+            kept_row_of_pair = torch.full((T * K,), -1, dtype=plan.row_of_pair.dtype, device=dout.device).index_copy_(
+                0, kept_pairs, torch.arange(kept.numel(), dtype=plan.row_of_pair.dtype, device=dout.device)).view(T, K)
+            if exact_router:  # the kept pairs' dy and every pair's gate gradient from one read of dout
+                pair_weight = row_weight.new_zeros(T * K).index_copy_(0, kept_pairs, row_weight).view(T, K)
+                dy, d_weight = ops.unpermute_backward(y_src, plan.row_of_pair, pair_weight, dout, kept_row_of_pair,
+                                                      kept.numel())
+                d_weight = d_weight.to(topk_weight.dtype)
 
         if dy is None:
             dy = ops.permute(dout, src, row_weight)                      # dy_p = w_p dout_t, one pass
@@ -199,11 +205,7 @@ class RoutedMLP(torch.autograd.Function):
 
         dx_src = disp.from_experts(dx_rows, splits)
         del dx_rows
-        row_of_pair = plan.row_of_pair
-        if kept is not None:
-            # pair -> its retained send row; a dropped pair has none (-1) and adds nothing to dx
-            row_of_pair = torch.full((T * K,), -1, dtype=row_of_pair.dtype, device=dout.device).index_copy_(
-                0, kept_pairs, torch.arange(kept.numel(), dtype=row_of_pair.dtype, device=dout.device)).view(T, K)
+        row_of_pair = plan.row_of_pair if kept is None else kept_row_of_pair  # a dropped pair adds nothing to dx
         ones = torch.ones((T, K), dtype=dout.dtype, device=dout.device)
         dx = ops.unpermute(dx_src, row_of_pair, ones)
         if ctx.needs_input_grad[2]:

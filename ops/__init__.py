@@ -117,10 +117,12 @@ def unpermute_weight_grad(rows: torch.Tensor, row_of_pair: torch.Tensor, dout: t
 
 
 def unpermute_backward(rows: torch.Tensor, row_of_pair: torch.Tensor, weight: torch.Tensor, dout: torch.Tensor,
+                       d_row_of_pair: Optional[torch.Tensor] = None, num_d_rows: Optional[int] = None,
                        backend: Optional[str] = None):
     """unpermute's rows and weight gradients from one read of dout: ``(d_rows [P, H], d_weight [T, K] float32)``;
-    every row must be the row of exactly one pair (P = T K). See reference.unpermute_backward."""
-    return _select("unpermute_backward", backend, rows)(rows, row_of_pair, weight, dout)
+    every row must be the row of exactly one pair (P = T K). With ``d_row_of_pair`` [T, K] and ``num_d_rows``,
+    d_rows [num_d_rows, H] goes by that map (-1: the pair gets no row). See reference.unpermute_backward."""
+    return _select("unpermute_backward", backend, rows)(rows, row_of_pair, weight, dout, d_row_of_pair, num_d_rows)
 
 
 def swiglu(h: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:

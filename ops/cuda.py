@@ -98,14 +98,21 @@ def unpermute_weight_grad(rows: torch.Tensor, row_of_pair: torch.Tensor, dout: t
     return out
 
 
-def unpermute_backward(rows: torch.Tensor, row_of_pair: torch.Tensor, weight: torch.Tensor, dout: torch.Tensor):
+def unpermute_backward(rows: torch.Tensor, row_of_pair: torch.Tensor, weight: torch.Tensor, dout: torch.Tensor,
+                       d_row_of_pair: Optional[torch.Tensor] = None, num_d_rows: Optional[int] = None):
     rows, row_of_pair, dout = rows.contiguous(), row_of_pair.contiguous(), dout.contiguous()
     if row_of_pair.dim() != 2:
         raise ValueError(f"unpermute_backward: row_of_pair must be [T, K], got shape {tuple(row_of_pair.shape)}")
+    if (d_row_of_pair is None) != (num_d_rows is None):
+        raise ValueError("unpermute_backward: d_row_of_pair and num_d_rows come together")
     weight = weight.to(torch.float32).contiguous()  # exact for half and bfloat16 weights; rounded to rows' dtype inside
-    d_rows = torch.empty_like(rows)
+    if d_row_of_pair is None:
+        d_rows = torch.empty_like(rows)
+    else:
+        d_row_of_pair = d_row_of_pair.contiguous()
+        d_rows = rows.new_empty(num_d_rows, rows.shape[-1])
     d_weight = torch.empty(row_of_pair.shape, dtype=torch.float32, device=rows.device)
-    load().unpermute_backward(rows, row_of_pair, weight, dout, d_rows, d_weight)
+    load().unpermute_backward(rows, row_of_pair, weight, dout, d_rows, d_weight, d_row_of_pair)
     return d_rows, d_weight
 
 

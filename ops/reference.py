@@ -74,19 +74,35 @@ def unpermute_weight_grad(rows: torch.Tensor, row_of_pair: torch.Tensor, dout: t
 
 
 def unpermute_backward(rows: torch.Tensor, row_of_pair: torch.Tensor, weight: torch.Tensor,
-                       dout: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The gradients of :func:`unpermute` with respect to its rows and its weights: (d_rows [P, H], d_weight [T, K]).
+                       dout: torch.Tensor, d_row_of_pair: Optional[torch.Tensor] = None,
+                       num_d_rows: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`unpermute` with respect to its rows and its weights: (d_rows, d_weight [T, K]).
 
     d_rows[row_of_pair[t, k]] = weight[t, k] * dout[t] (rounded as :func:`permute` rounds its scaled rows),
     d_weight = :func:`unpermute_weight_grad`. Every row must be the row of exactly one pair (P = T K, row_of_pair
-    a permutation of [0, P): the inverse of a routing plan's order), so that d_rows is written whole."""
+    a permutation of [0, P): the inverse of a routing plan's order), so that d_rows [P, H] is written whole.
+
+    ``d_row_of_pair`` [T, K] (with ``num_d_rows``): d_rows [num_d_rows, H] goes by this map instead, a pair at -1
+    getting no row (a backward that keeps only some pairs: their dy rows, compacted, from the same read of dout);
+    its other entries must hold each of [0, num_d_rows) once. row_of_pair then only names the rows d_weight
+    reads, -1 allowed (d_weight 0), as in :func:`unpermute_weight_grad`."""
     T, K = row_of_pair.shape
-    index = row_of_pair.reshape(-1).long()
-    P = index.numel()
-    if rows.shape[0] != P or bool((index < 0).any()) or not bool((torch.bincount(index, minlength=P) == 1).all()):
-        raise ValueError(f"unpermute_backward: every row must be the row of exactly one pair: row_of_pair "
-                         f"{tuple(row_of_pair.shape)} must hold each of rows' indices [0, {rows.shape[0]}) once")
-    pair_of_row = torch.empty_like(index).index_copy_(0, index, torch.arange(P, device=index.device))
+    if d_row_of_pair is None:
+        d_row_of_pair, num_d_rows = row_of_pair, rows.shape[0]
+        what = f"every row must be the row of exactly one pair: row_of_pair {tuple(row_of_pair.shape)} must hold " \
+               f"each of rows' indices [0, {rows.shape[0]}) once"
+    else:
+        if num_d_rows is None or d_row_of_pair.shape != row_of_pair.shape:
+            raise ValueError(f"unpermute_backward: d_row_of_pair must be [T, K] = {tuple(row_of_pair.shape)} and come "
+                             f"with num_d_rows; got {tuple(d_row_of_pair.shape)} and {num_d_rows}")
+        what = f"d_row_of_pair must hold each of [0, {num_d_rows}) once, and -1 elsewhere"
+    index = d_row_of_pair.reshape(-1).long()
+    given = index >= 0
+    if bool((index < -1).any()) or bool((index >= num_d_rows).any()) or int(given.sum()) != num_d_rows or \
+            not bool((torch.bincount(index[given], minlength=num_d_rows) == 1).all()):
+        raise ValueError(f"unpermute_backward: {what}")
+    pairs = torch.arange(T * K, device=index.device)[given]
+    pair_of_row = torch.empty(num_d_rows, dtype=torch.long, device=index.device).index_copy_(0, index[given], pairs)
     d_rows = permute(dout, pair_of_row // K, weight.reshape(-1).index_select(0, pair_of_row))
     return d_rows, unpermute_weight_grad(rows, row_of_pair, dout)
 

@@ -143,6 +143,32 @@ def test_unpermute_backward_needs_every_row_once(bad):
         ref.unpermute_backward(rows, rop, torch.ones(3, 2), torch.ones(3, 4))
 
 
+def test_unpermute_backward_writes_the_kept_pairs_rows_by_their_own_map():
+    """d_row_of_pair: the rows of the kept pairs only, in the map's order (a retained backward's dy), each
+    weight[t, k] dout[t]; dropped pairs get none; d_weight is still every pair's (-1 rows give 0)."""
+    gen = torch.Generator().manual_seed(7)
+    T, K, H = 6, 3, 5
+    rop = torch.randperm(T * K, generator=gen).view(T, K)
+    rop[2, 0] = -1                                            # a pair without a y row: its d_weight is 0
+    rows = torch.randn(T * K, H, generator=gen, dtype=torch.float64)
+    w = torch.rand(T, K, generator=gen, dtype=torch.float64)
+    dout = torch.randn(T, H, generator=gen, dtype=torch.float64)
+    kept = torch.tensor([16, 2, 9, 0, 6])                     # flat pairs t * K + k, in their d rows' order
+    drp = torch.full((T * K,), -1).index_copy_(0, kept, torch.arange(kept.numel())).view(T, K)
+    d_rows, d_weight = ref.unpermute_backward(rows, rop, w, dout, drp, kept.numel())
+    expected = torch.stack([w.reshape(-1)[p] * dout[p // K] for p in kept.tolist()])
+    torch.testing.assert_close(d_rows, expected, rtol=1e-12, atol=1e-12)
+    assert d_weight[2, 0] == 0
+    torch.testing.assert_close(d_weight, ref.unpermute_weight_grad(rows, rop, dout), rtol=0, atol=0)
+    none_kept, _ = ref.unpermute_backward(rows, rop, w, dout, torch.full((T, K), -1), 0)
+    assert none_kept.shape == (0, H)
+    for bad, count in ((drp.clone().index_fill_(1, torch.tensor([0]), 0), 5), (drp, 6), (drp - 2, 5)):
+        with pytest.raises(ValueError, match="d_row_of_pair must hold each of"):
+            ref.unpermute_backward(rows, rop, w, dout, bad, count)
+    with pytest.raises(ValueError, match="come with num_d_rows"):
+        ref.unpermute_backward(rows, rop, w, dout, drp)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_swiglu_backward_in_place_with_activation(dtype):
     gen = torch.Generator().manual_seed(6)

@@ -12,7 +12,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the combine's weight gradient out[t,k] = <rows[row_of_pair[t,k]], dout[t]> (fp32)");
   m.def("swiglu", &lrmoe::swiglu_op, "a = silu(h[:, :F]) * h[:, F:]");
   m.def("unpermute_backward", &lrmoe::unpermute_backward_op,
-        "the combine's rows and weight gradients in one pass: d_rows[row_of_pair[t,k]] = w[t,k] dout[t], d_weight");
+        "the combine's rows and weight gradients in one pass: d_rows[d_row_of_pair[t,k]] = w[t,k] dout[t] (d_row_of_pair: "
+        "row_of_pair if not given), d_weight", pybind11::arg("rows"), pybind11::arg("row_of_pair"), pybind11::arg("weight"),
+        pybind11::arg("dout"), pybind11::arg("d_rows"), pybind11::arg("d_weight"),
+        pybind11::arg("d_row_of_pair") = pybind11::none());
   m.def("swiglu_backward", &lrmoe::swiglu_backward_op,
         "dh of swiglu from h (its rows index[m] if given) and da (dh may be h: in place), and a = swiglu(h) if given",
         pybind11::arg("h"), pybind11::arg("da"), pybind11::arg("dh"), pybind11::arg("a") = pybind11::none(),

@@ -37,10 +37,11 @@ void unpermute(const void* rows, DType rtype, int64_t P, int64_t H, const void* 
 // out[t, k] = <rows[row_of_pair[t, k], :], dout[t, :]>, fp32 [T, K] (unpermute's weight gradient); -1 rows give 0.
 // d_rows (nullptr: not computed) [P, H] in rows' dtype: also unpermute's rows gradient,
 // d_rows[row_of_pair[t, k], :] = weight[t, k] * dout[t, :] (weight fp32 [T, K], rounded to rows' dtype first, one
-// rounding of the product); then every pair must have a row (-1 is a device-side error).
+// rounding of the product); then every pair must have a row (-1 is a device-side error). With d_row_of_pair
+// (same index type, [T, K]) d_rows [Pd, H] goes by that map instead, a pair at -1 getting no row.
 void unpermute_weight_grad(const void* rows, DType rtype, int64_t P, int64_t H, const void* row_of_pair, IType itype,
                            const void* dout, int64_t T, int K, float* out, const float* weight, void* d_rows,
-                           cudaStream_t stream);
+                           const void* d_row_of_pair, int64_t Pd, cudaStream_t stream);
 // SwiGLU on h [M, 2F] (gate columns first): a[M, F] = silu(gate) * up; and its backward
 // dh[M, 2F] from h and da [M, F] (dh may be h itself: written in place), with a as well where a is not nullptr
 // (the forward recomputed from the same read of h). fp32 arithmetic, one rounding per output.

@@ -138,26 +138,38 @@ void unpermute_weight_grad_op(const at::Tensor& rows, const at::Tensor& row_of_p
   const DType rt = dtype_of(rows, "unpermute_weight_grad: rows");
   const c10::cuda::CUDAGuard guard(rows.device());
   unpermute_weight_grad(rows.data_ptr(), rt, rows.size(0), rows.size(1), row_of_pair.data_ptr(), it, dout.data_ptr(),
-                        T, (int)row_of_pair.size(1), out.data_ptr<float>(), nullptr, nullptr, stream());
+                        T, (int)row_of_pair.size(1), out.data_ptr<float>(), nullptr, nullptr, nullptr, 0, stream());
 }
 
 void unpermute_backward_op(const at::Tensor& rows, const at::Tensor& row_of_pair, const at::Tensor& weight,
-                           const at::Tensor& dout, at::Tensor& d_rows, at::Tensor& d_weight) {
+                           const at::Tensor& dout, at::Tensor& d_rows, at::Tensor& d_weight,
+                           const c10::optional<at::Tensor>& d_row_of_pair) {
   const int64_t T = check_weight_grad_args(rows, row_of_pair, dout, d_weight, "unpermute_backward", "d_weight");
   check_cuda(weight, "unpermute_backward: weight");
   LRMOE_CHECK(weight.scalar_type() == at::kFloat && weight.sizes() == row_of_pair.sizes(),
               "unpermute_backward: weight must be a float32 [T, K] tensor like row_of_pair ", row_of_pair.sizes(),
               ", got ", weight.scalar_type(), " ", weight.sizes());
-  // every row is some pair's: d_rows is written whole (a -1 in row_of_pair is a device-side error)
-  LRMOE_CHECK(rows.size(0) == row_of_pair.numel(), "unpermute_backward: every row must be the row of exactly one pair: ",
-              "rows must have T * K = ", row_of_pair.numel(), " rows, got ", rows.size(0));
-  check_out(d_rows, rows.sizes(), rows.scalar_type(), rows, "unpermute_backward: d_rows");
+  const void* drp = nullptr;
+  if (d_row_of_pair) {  // d_rows by a map of its own: any number of rows, each some pair's (checked on the device)
+    check_cuda(*d_row_of_pair, "unpermute_backward: d_row_of_pair");
+    LRMOE_CHECK(d_row_of_pair->sizes() == row_of_pair.sizes() && d_row_of_pair->scalar_type() == row_of_pair.scalar_type(),
+                "unpermute_backward: d_row_of_pair must be a ", row_of_pair.scalar_type(), " ", row_of_pair.sizes(),
+                " tensor like row_of_pair, got ", d_row_of_pair->scalar_type(), " ", d_row_of_pair->sizes());
+    check_out(d_rows, {d_rows.dim() == 2 ? d_rows.size(0) : 0, rows.size(1)}, rows.scalar_type(), rows,
+              "unpermute_backward: d_rows");
+    drp = d_row_of_pair->data_ptr();
+  } else {
+    // every row is some pair's: d_rows is written whole (a -1 in row_of_pair is a device-side error)
+    LRMOE_CHECK(rows.size(0) == row_of_pair.numel(), "unpermute_backward: every row must be the row of exactly one ",
+                "pair: rows must have T * K = ", row_of_pair.numel(), " rows, got ", rows.size(0));
+    check_out(d_rows, rows.sizes(), rows.scalar_type(), rows, "unpermute_backward: d_rows");
+  }
   const IType it = itype_of(row_of_pair, "unpermute_backward: row_of_pair");
   const DType rt = dtype_of(rows, "unpermute_backward: rows");
   const c10::cuda::CUDAGuard guard(rows.device());
   unpermute_weight_grad(rows.data_ptr(), rt, rows.size(0), rows.size(1), row_of_pair.data_ptr(), it, dout.data_ptr(),
                         T, (int)row_of_pair.size(1), d_weight.data_ptr<float>(), weight.data_ptr<float>(),
-                        d_rows.data_ptr(), stream());
+                        d_rows.data_ptr(), drp, d_rows.size(0), stream());
 }
 
 void swiglu_op(const at::Tensor& h, at::Tensor& out) {

@@ -36,7 +36,8 @@ void unpermute_weight_grad_op(const at::Tensor& rows, const at::Tensor& row_of_p
                               at::Tensor& out);
 void swiglu_op(const at::Tensor& h, at::Tensor& out);
 void unpermute_backward_op(const at::Tensor& rows, const at::Tensor& row_of_pair, const at::Tensor& weight,
-                           const at::Tensor& dout, at::Tensor& d_rows, at::Tensor& d_weight);
+                           const at::Tensor& dout, at::Tensor& d_rows, at::Tensor& d_weight,
+                           const c10::optional<at::Tensor>& d_row_of_pair);
 void swiglu_backward_op(const at::Tensor& h, const at::Tensor& da, at::Tensor& dh, const c10::optional<at::Tensor>& a,
                         const c10::optional<at::Tensor>& index);
 void topk_retention_op(const at::Tensor& scores, const at::Tensor& group_sizes, const at::Tensor& quotas,

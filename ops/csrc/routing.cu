@@ -121,13 +121,16 @@ __global__ void combine_kernel(const row_t* __restrict__ rows, const index_t* __
 
 // One token per block: out[t, k] = <rows[row_of_pair[t, k], :], dout[t, :]> in fp32 (the gradient of the
 // combine's weights); a negative row index gives 0. Up to kPairsPerPass pairs share one block reduction.
-// WRITE_ROWS: also the gradient of the combine's rows, d_rows[row_of_pair[t, k], :] = weight[t, k] dout[t, :]
+// WRITE_ROWS: also the gradient of the combine's rows, d_rows[d_row_of_pair[t, k], :] = weight[t, k] dout[t, :]
 // (rounded as permute_scaled rounds), from the dout vector already loaded: the backward's dout is read once.
+// d_row_of_pair is row_of_pair itself (every pair has a row) or a map of its own into Pd rows, -1 where a pair
+// gets none (a retained backward's dy rows, compacted).
 constexpr int kPairsPerPass = 8;
 template <typename row_t, typename index_t, int VEC, bool WRITE_ROWS>
 __global__ void combine_weight_grad_kernel(const row_t* __restrict__ rows, const index_t* __restrict__ row_of_pair,
                                            const row_t* __restrict__ dout, float* __restrict__ out, int64_t P, int K,
-                                           int64_t H, const float* __restrict__ weight, row_t* __restrict__ d_rows) {
+                                           int64_t H, const float* __restrict__ weight, row_t* __restrict__ d_rows,
+                                           const index_t* __restrict__ d_row_of_pair, int64_t Pd) {
   using Vec = typename std::conditional<VEC * sizeof(row_t) == 16, uint4, row_t>::type;
   __shared__ float partial[kPairsPerPass][32];
   const int64_t t = blockIdx.x;
@@ -146,20 +149,25 @@ __global__ void combine_weight_grad_kernel(const row_t* __restrict__ rows, const
       for (int j = 0; j < kPairsPerPass; ++j) {
         if (j >= nk) break;
         const int64_t r = rp[k0 + j];
-        LRMOE_DEVICE_ASSERT(!WRITE_ROWS || r >= 0, "unpermute_backward: a pair without a row (row_of_pair -1)");
-        if (r < 0) continue;
-        LRMOE_DEVICE_ASSERT(r < P, "unpermute_weight_grad: row_of_pair out of range [-1, P)");
-        const Vec raw = __ldg(reinterpret_cast<const Vec*>(rows + r * H) + c);
-        const row_t* e = reinterpret_cast<const row_t*>(&raw);
+        if (r >= 0) {
+          LRMOE_DEVICE_ASSERT(r < P, "unpermute_weight_grad: row_of_pair out of range [-1, P)");
+          const Vec raw = __ldg(reinterpret_cast<const Vec*>(rows + r * H) + c);
+          const row_t* e = reinterpret_cast<const row_t*>(&raw);
 #pragma unroll
-        for (int v = 0; v < VEC; ++v) acc[j] = fmaf(to_float(e[v]), to_float(d[v]), acc[j]);
+          for (int v = 0; v < VEC; ++v) acc[j] = fmaf(to_float(e[v]), to_float(d[v]), acc[j]);
+        }
         if constexpr (WRITE_ROWS) {
+          const int64_t rd = d_row_of_pair[t * K + k0 + j];
+          LRMOE_DEVICE_ASSERT(d_row_of_pair != row_of_pair || rd >= 0,
+                              "unpermute_backward: a pair without a row (row_of_pair -1)");
+          if (rd < 0) continue;
+          LRMOE_DEVICE_ASSERT(rd < Pd, "unpermute_backward: d_row_of_pair out of range [-1, num_d_rows)");
           const float s = to_float(from_float<row_t>(weight[t * K + k0 + j]));
           Vec res;
           row_t* o = reinterpret_cast<row_t*>(&res);
 #pragma unroll
           for (int v = 0; v < VEC; ++v) o[v] = from_float<row_t>(to_float(d[v]) * s);
-          reinterpret_cast<Vec*>(d_rows + r * H)[c] = res;
+          reinterpret_cast<Vec*>(d_rows + rd * H)[c] = res;
         }
       }
     }
@@ -298,7 +306,7 @@ void unpermute(const void* rows, DType rtype, int64_t P, int64_t H, const void* 
 
 void unpermute_weight_grad(const void* rows, DType rtype, int64_t P, int64_t H, const void* row_of_pair, IType itype,
                            const void* dout, int64_t T, int K, float* out, const float* weight, void* d_rows,
-                           cudaStream_t stream) {
+                           const void* d_row_of_pair, int64_t Pd, cudaStream_t stream) {
   if (T == 0 || K == 0) return;
   if (H == 0) {
     LRMOE_CUDA_CHECK(cudaMemsetAsync(out, 0, T * K * sizeof(float), stream));
@@ -313,15 +321,17 @@ void unpermute_weight_grad(const void* rows, DType rtype, int64_t P, int64_t H, 
       const auto* rp = static_cast<const index_t*>(row_of_pair);
       const auto* d = static_cast<const row_t*>(dout);
       auto* dr = static_cast<row_t*>(d_rows);
+      const auto* drp = static_cast<const index_t*>(d_row_of_pair != nullptr ? d_row_of_pair : row_of_pair);
+      if (d_row_of_pair == nullptr) Pd = P;
       const bool vec = H % VEC == 0 && aligned16(rows) && aligned16(dout) && (d_rows == nullptr || aligned16(d_rows));
       auto launch = [&](auto write_rows) {
         constexpr bool W = decltype(write_rows)::value;
         if (vec)
           combine_weight_grad_kernel<row_t, index_t, VEC, W><<<(unsigned)T, threads_for(H / VEC), 0, stream>>>(
-              r, rp, d, out, P, K, H, weight, dr);
+              r, rp, d, out, P, K, H, weight, dr, drp, Pd);
         else
           combine_weight_grad_kernel<row_t, index_t, 1, W><<<(unsigned)T, threads_for(H), 0, stream>>>(
-              r, rp, d, out, P, K, H, weight, dr);
+              r, rp, d, out, P, K, H, weight, dr, drp, Pd);
       };
       if (d_rows != nullptr) launch(std::true_type{});
       else launch(std::false_type{});

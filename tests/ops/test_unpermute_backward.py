@@ -59,3 +59,43 @@ def test_bad_input(ext):
         ext.unpermute_backward(rows, rop, weight.double(), dout, torch.empty_like(rows), torch.empty_like(weight))
     with pytest.raises(RuntimeError, match="weight must be a float32 \\[T, K\\]"):
         ops.unpermute_backward(rows, rop, weight[:, :1], dout, backend="cuda")
+
+
+@pytest.mark.parametrize("T,K,H,dtype,kept_fraction", list(itertools.product(
+    [1, 513], [2, 8], [8, 2048], DTYPES, [0.0, 0.5, 1.0])))
+def test_kept_rows_by_their_own_map(ext, rel_fro, tol, T, K, H, dtype, kept_fraction):
+    """d_row_of_pair (a retained backward's dy rows, compacted, in any order): against the fp64 reference, and
+    bit for bit against permute's scaled gather of the kept pairs; poisoned outputs, every row written once."""
+    rows, rop, weight, dout = _case(T, K, H, dtype, T + 5 * K + H + int(10 * kept_fraction))
+    gen = torch.Generator().manual_seed(T * K)
+    kept = torch.randperm(T * K, generator=gen)[:int(kept_fraction * T * K)].cuda()
+    drp = torch.full((T * K,), -1, dtype=torch.long, device="cuda").index_copy_(
+        0, kept, torch.arange(kept.numel(), device="cuda")).view(T, K)
+    d_rows = torch.full((kept.numel(), H), float("nan"), device="cuda", dtype=dtype)
+    d_weight = torch.full((T, K), float("nan"), device="cuda")
+    ext.unpermute_backward(rows, rop, weight, dout, d_rows, d_weight, drp)
+    ref_rows, ref_weight = reference.unpermute_backward(rows.cpu().double(), rop.cpu(), weight.cpu().double(),
+                                                        dout.cpu().double(), drp.cpu(), kept.numel())
+    assert rel_fro(d_rows, ref_rows) < tol[dtype] and rel_fro(d_weight, ref_weight) < tol[torch.float32]
+    assert torch.equal(d_rows, ops.permute(dout, kept // K, weight.reshape(-1)[kept], backend="cuda"))
+    assert torch.equal(d_weight, ops.unpermute_weight_grad(rows, rop, dout, backend="cuda"))
+    api_rows, api_weight = ops.unpermute_backward(rows, rop, weight, dout, drp, kept.numel(), backend="cuda")
+    assert torch.equal(api_rows, d_rows) and torch.equal(api_weight, d_weight)
+
+
+def test_kept_rows_bad_input(ext):
+    rows, rop, weight, dout = _case(3, 2, 8, torch.float32, 4)
+    drp = torch.tensor([[0, -1], [-1, 1], [2, -1]], device="cuda")
+    with pytest.raises(RuntimeError, match="d_row_of_pair must be a"):
+        ops.unpermute_backward(rows, rop, weight, dout, drp.int(), 3, backend="cuda")
+    with pytest.raises(RuntimeError, match="d_row_of_pair must be a"):
+        ops.unpermute_backward(rows, rop, weight, dout, drp[:2], 3, backend="cuda")
+    with pytest.raises(ValueError, match="come together"):
+        ops.unpermute_backward(rows, rop, weight, dout, drp, backend="cuda")
+    with pytest.raises(RuntimeError, match="d_rows must be"):
+        ext.unpermute_backward(rows, rop, weight, dout, torch.empty(3, 4, device="cuda"), torch.empty_like(weight), drp)
+    # a pair without a y row (-1 in row_of_pair) is allowed with a map of its own: its d_weight is 0
+    rop_missing = rop.clone()
+    rop_missing[1, 0] = -1
+    d_rows, d_weight = ops.unpermute_backward(rows, rop_missing, weight, dout, drp, 3, backend="cuda")
+    assert d_weight[1, 0] == 0 and torch.equal(d_rows[1], dout[1] * weight[1, 1])
