@@ -77,8 +77,9 @@ class RouterLogits(torch.autograd.Function):
     Forward: one tensor-core GEMM with fp32 output; the same products as the fp32 GEMM (exact), summed
     in another order. Backward: d_logits is fp32, and rounding it to bf16 would keep 8 bits, so it is
     split into hi + lo halves (:func:`split_hi_lo`, ~16 bits, relative error ~1e-5 against the fp32
-    path) that run as one GEMM each for dx and dW, with fp32 output, rounded once to x's and
-    weight's dtypes (as the fp32 path rounds its gradients when it casts them back).
+    path) that run as one GEMM each for dx and dW, fp32 sums rounded once to x's and weight's dtypes
+    (as the fp32 path rounds its gradients when it casts them back): in bf16 dx is the GEMM's own
+    bf16 output (a [T, H] fp32 buffer and its conversion less), elsewhere an fp32 output cast.
     """
 
     @staticmethod
@@ -90,6 +91,11 @@ class RouterLogits(torch.autograd.Function):
     def backward(ctx, d_logits):
         x, weight = ctx.saved_tensors
         d2, scale = split_hi_lo(d_logits.float(), x.dtype)
-        dx = logits_dgrad_fp32(d2, weight, scale).to(x.dtype) if ctx.needs_input_grad[0] else None
+        dx = None
+        if ctx.needs_input_grad[0]:
+            if isinstance(scale, float):  # bf16: the GEMM rounds its fp32 sums to bf16 itself (no fp32 [T, H] copy)
+                dx = torch.mm(d2, torch.cat([weight, weight]))
+            else:  # fp16: divided by the scale first, then rounded
+                dx = logits_dgrad_fp32(d2, weight, scale).to(x.dtype)
         dw = logits_wgrad_fp32(d2, x, scale).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return dx, dw

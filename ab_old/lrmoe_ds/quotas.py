@@ -1,0 +1,174 @@
+"""Retention quotas (host-side): how many pairs of each expert run their backward, and each rank's share.
+
+Made in the forward from the global counts n_e (known on every rank after the dispatcher's one
+all-gather), so every rank computes the same quotas and shares without more communication; the
+backward's compacted all-to-all sizes follow from them.
+"""
+import math
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+
+from lrmoe_ds.dispatcher import HostCopy
+
+
+@dataclass
+class MemoryPlan:
+    """What the memory planner tells one layer.
+
+    policy: what the forward keeps for the expert backward ("stash" or "recompute").
+    max_rows_per_rank: retained backward rows that each expert-parallel rank may hold for this
+        layer (its compacted backward buffers are sized by them); None: unbounded.
+    """
+    policy: Literal["stash", "recompute"] = "stash"
+    max_rows_per_rank: Optional[int] = None
+
+
+def _level(n: torch.Tensor, budget: int) -> torch.Tensor:
+    """min(n, c) for the largest integer cap c with sum(min(n, c)) <= budget (water-fill from above).
+
+    One pass over the sorted counts (host ints; it runs in every training forward, so no tensor ops):
+    for c between the i-th and the (i+1)-th smallest count, sum(min(n, c)) = (sum of the i smallest) +
+    c (E - i), linear in c."""
+    vals = n.tolist()
+    if sum(vals) <= budget:
+        return n.clone()
+    prefix, E, cap = 0, len(vals), 0
+    for i, v in enumerate(sorted(vals)):
+        if prefix + v * (E - i) > budget:
+            cap = max(0, (budget - prefix) // (E - i))
+            break
+        prefix += v
+    return torch.clamp(n, max=cap)
+
+
+def _scale(n: torch.Tensor, budget: int) -> torch.Tensor:
+    """floor(n_e budget / sum n) plus one for the largest remainders (ties: lower index), summing to
+    ``budget`` (every expert keeps the same fraction, to the pair); n itself if it is within budget."""
+    vals = n.tolist()
+    total = sum(vals)
+    if total <= budget:
+        return n.clone()
+    q = [v * budget // total for v in vals]
+    rest = sorted(range(len(vals)), key=lambda i: (-(vals[i] * budget % total), i))[:budget - sum(q)]
+    for i in rest:
+        q[i] += 1
+    return torch.tensor(q, dtype=n.dtype)
+
+
+ALLOCATIONS = {"waterfill": _level, "proportional": _scale}
+
+
+def plan_quotas(counts: torch.Tensor, retention_ratio: float = 1.0, ep_size: int = 1, floor: float = 0.0,
+                balance_factor: float = float("inf"), max_rows_per_rank: Optional[int] = None,
+                allocation: Literal["waterfill", "proportional"] = "waterfill") -> torch.Tensor:
+    """Q_e, the pairs of each expert whose backward runs.
+
+    counts [E] int (n_e over the expert-parallel group; expert e lives on rank e // (E / ep_size)).
+    1. target, by ``allocation``: "waterfill" gives one cap c for all experts, the largest with
+       sum_e min(n_e, c) <= ratio * sum_e n_e (cold experts keep every pair, the hottest are capped
+       first); "proportional" keeps the same fraction of every expert's pairs;
+    2. per rank, if its retained rows exceed max_rows_per_rank, or (when anything was dropped)
+       balance_factor times the mean over ranks, its own experts' quotas are cut the same way;
+    3. floor: Q_e >= ceil(floor * n_e), whatever the caps.
+    Ratio 1 with no budget gives Q = n (exact).
+    """
+    if allocation not in ALLOCATIONS:
+        raise ValueError(f"unknown quota allocation {allocation!r}; accepted: {', '.join(ALLOCATIONS)}")
+    cut = ALLOCATIONS[allocation]
+    if not 0.0 < retention_ratio <= 1.0:
+        raise ValueError(f"retention_ratio must be in (0, 1], got {retention_ratio}")
+    n = counts.detach().long().cpu()
+    if n.numel() % ep_size:
+        raise ValueError(f"{n.numel()} experts cannot be split over ep_size {ep_size}")
+    q = cut(n, int(retention_ratio * int(n.sum())))
+    per_rank = q.view(ep_size, -1)
+    caps = [float("inf")] * ep_size
+    if max_rows_per_rank is not None:
+        caps = [max_rows_per_rank] * ep_size
+    if not torch.equal(q, n) and ep_size > 1:
+        mean = float(per_rank.sum()) / ep_size
+        caps = [min(c, math.floor(balance_factor * mean)) if math.isfinite(balance_factor) else c for c in caps]
+    for r, cap in enumerate(caps):
+        if int(per_rank[r].sum()) > cap:
+            per_rank[r] = cut(per_rank[r], int(cap))
+    if floor > 0:
+        q = torch.maximum(q, torch.minimum(n, torch.ceil(floor * n.double()).long()))
+    return q.view_as(n)
+
+
+def rank_shares(quotas: torch.Tensor, all_counts: torch.Tensor) -> torch.Tensor:
+    """Each source rank's share of every expert's quota, in proportion to its pairs of that expert.
+
+    quotas [E], all_counts [R, E] (pairs from rank r to expert e) -> shares [R, E] with
+    sum_r shares[r, e] = Q_e and shares <= all_counts: floor(Q_e c_re / n_e), the remainder given
+    one each to the ranks of largest fractional part (ties: lower rank). Host-side, deterministic.
+    """
+    c = all_counts.detach().long().cpu()
+    q = torch.minimum(quotas.detach().long().cpu(), c.sum(0))
+    if c.shape[0] == 1:  # one rank holds every pair: its share is the whole quota
+        return q.view(1, -1)
+    n = c.sum(0).clamp_min(1)
+    scaled = q.unsqueeze(0) * c                                  # [R, E]
+    base, frac = scaled // n, scaled % n
+    remainder = q - base.sum(0)                                  # [E], < number of ranks with frac > 0
+    R = c.shape[0]
+    # order ranks by fractional part, descending, ties by rank: a stable sort of -frac
+    order = torch.sort(-frac, dim=0, stable=True).indices        # [R, E]
+    bonus = (torch.arange(R).unsqueeze(1) < remainder.unsqueeze(0)).long()
+    return base + torch.zeros_like(base).scatter_(0, order, bonus)
+
+
+class RetentionStats:
+    """One training forward of one layer, as the planner and the monitor see it (host tensors).
+
+    counts [E]: n_e over the expert-parallel group, or the HostCopy of the counts from each rank [R, E]
+        (summed when first read: a forward that keeps every pair passes the copy it started, so that nothing
+        waits for it until the planner or the monitor asks).  quotas [E]: Q_e, or None: every pair kept.
+    rows_per_rank / retained_per_rank [R]: routed / retained rows at each expert-parallel rank.
+    policy: the activation policy used.  stash_bytes_per_row: what "stash" keeps per routed row.
+    backward_bytes_per_row: the expert backward's buffers per retained row (under this policy).
+    replica_rows: retained rows that run on replicas (``replica_slots``), over all ranks.
+    Under the "threshold" allocation the quotas are caps and the backward counts what it keeps
+    (:meth:`set_kept`); :meth:`retained` is then that count.
+    """
+
+    def __init__(self, counts, quotas, rows_per_rank: torch.Tensor, retained_per_rank: torch.Tensor, policy: str,
+                 stash_bytes_per_row: int, backward_bytes_per_row: int, replica_rows: int = 0):
+        self._counts, self._quotas = counts, quotas
+        self.rows_per_rank, self.retained_per_rank = rows_per_rank, retained_per_rank
+        self.policy, self.stash_bytes_per_row, self.backward_bytes_per_row = policy, stash_bytes_per_row, \
+            backward_bytes_per_row
+        self.replica_rows = replica_rows
+        self.kept: Optional[HostCopy] = None
+
+    @property
+    def counts(self) -> torch.Tensor:
+        if isinstance(self._counts, HostCopy):
+            self._counts = self._counts.get().sum(0)
+        return self._counts
+
+    @property
+    def quotas(self) -> torch.Tensor:
+        if self._quotas is None:
+            self._quotas = self.counts.clone()
+        return self._quotas
+
+    def set_kept(self, kept: torch.Tensor) -> None:
+        """The backward's kept pairs per expert [E]; copied to the host without waiting (read when asked for)."""
+        self.kept = HostCopy(kept)
+
+    def retained(self) -> torch.Tensor:
+        """[E] retained pairs per expert: the backward's count where it chose them, else the quotas."""
+        return self.quotas if self.kept is None else self.kept.get()
+
+
+def expert_row_bytes(hidden: int, ffn: int, activation: str, element_size: int):
+    """(stash bytes per routed row, backward buffer bytes per retained row) of a grouped expert MLP.
+
+    stash keeps x [H] and the pre-activation h [F1] (F1 = 2F for SwiGLU). The backward holds per
+    retained row dy [H], x and h (gathered or recomputed), a [F], da [F], dh [F1] and dx [H].
+    """
+    f1 = 2 * ffn if activation == "swiglu" else ffn
+    return (hidden + f1) * element_size, (3 * hidden + 2 * f1 + 2 * ffn) * element_size

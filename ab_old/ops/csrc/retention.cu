@@ -1,0 +1,328 @@
+// Quota-aware top-k retention and capacity routing. Device-side and deterministic (stable radix
+// sorts, no floating-point atomics); no host synchronisation (the caller reads `summary` once).
+#include <cub/device/device_radix_sort.cuh>
+#include <cub/device/device_scan.cuh>
+#include <cub/device/device_select.cuh>
+#include <thrust/iterator/counting_iterator.h>
+
+#include <algorithm>
+
+#include "device_utils.cuh"
+
+namespace lrmoe {
+namespace {
+
+constexpr uint64_t kNoKey = ~uint64_t(0);
+
+// Monotone map float -> uint32 (a < b  =>  f(a) < f(b)); -0.0 is mapped as +0.0 so they tie.
+__device__ __forceinline__ uint32_t orderable(float v) {
+  if (v == 0.f) v = 0.f;
+  const uint32_t u = __float_as_uint(v);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ int64_t group_of_position(const int64_t* offsets, int64_t G, int64_t p) {
+  int64_t lo = 0, hi = G;  // the last g with offsets[g] <= p; G when p >= offsets[G]
+  if (p >= offsets[G]) return G;
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    if (offsets[mid] <= p) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+template <typename T>
+__device__ __forceinline__ int64_t lower_bound(const T* a, int64_t lo, int64_t hi, T key) {
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (a[mid] < key) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+// ---- top-k retention --------------------------------------------------------------------------
+
+__global__ void retention_groups_kernel(const int64_t* __restrict__ group_sizes, const int64_t* __restrict__ quotas,
+                                        const int64_t* __restrict__ offsets, int64_t G, int64_t* __restrict__ kept_sizes,
+                                        int64_t* __restrict__ summary) {
+  for (int64_t g = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; g < G; g += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t q = quotas[g], n = group_sizes[g];
+    kept_sizes[g] = max(int64_t(0), min(q, n));
+    if (q < 0) atomicAdd(reinterpret_cast<unsigned long long*>(summary + 2), 1ull);
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) summary[1] = offsets[G];
+}
+
+template <typename score_t>
+__global__ void retention_keys_kernel(const score_t* __restrict__ scores, const int64_t* __restrict__ offsets, int64_t G,
+                                      int64_t P, uint64_t* __restrict__ keys, int32_t* __restrict__ positions,
+                                      uint8_t* __restrict__ flags, score_t* __restrict__ threshold) {
+  for (int64_t p = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; p < P; p += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t g = group_of_position(offsets, G, p);
+    // ascending (group, score descending); stable, so equal scores stay in position order
+    keys[p] = (uint64_t(g) << 32) | uint64_t(~orderable(to_float(scores[p])));
+    positions[p] = (int32_t)p;
+    flags[p] = 0;
+  }
+  for (int64_t g = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; g < G; g += (int64_t)gridDim.x * blockDim.x)
+    threshold[g] = from_float<score_t>(0.f);
+}
+
+template <typename score_t>
+__global__ void retention_mark_kernel(const uint64_t* __restrict__ sorted_keys, const int32_t* __restrict__ sorted_pos,
+                                      const score_t* __restrict__ scores, const int64_t* __restrict__ offsets,
+                                      const int64_t* __restrict__ quotas, int64_t G, int64_t P,
+                                      uint8_t* __restrict__ flags, score_t* __restrict__ threshold) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < P; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t g = int64_t(sorted_keys[i] >> 32);
+    if (g >= G) continue;  // positions past sum(group_sizes): reported by the caller
+    const int64_t rank = i - offsets[g], q = max(int64_t(0), quotas[g]);
+    const int32_t p = sorted_pos[i];
+    if (rank < q) flags[p] = 1;
+    else if (rank == q) threshold[g] = scores[p];  // the (q+1)-th largest: one writer per group
+  }
+}
+
+// ---- capacity routing -------------------------------------------------------------------------
+
+__global__ void route_prepare_kernel(const int64_t* __restrict__ pair_group, const int64_t* __restrict__ pair_rank,
+                                     int64_t P, uint64_t* __restrict__ keys, int32_t* __restrict__ values,
+                                     uint64_t* __restrict__ spill_keys, int64_t* __restrict__ out) {
+  for (int64_t p = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; p < P; p += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t g = pair_group[p], r = pair_rank[p];
+    LRMOE_DEVICE_ASSERT(g >= 0 && g < (int64_t(1) << 31) && r >= 0 && r < (int64_t(1) << 31),
+                        "capacity_route: pair_group and pair_rank must be in [0, 2^31)");
+    keys[p] = (uint64_t(g) << 32) | uint64_t(r);
+    values[p] = (int32_t)p;
+    spill_keys[p] = kNoKey;
+    out[p] = -1;
+  }
+}
+
+// Block b works for expert e = instance_group[b] if b is e's first instance (else returns): it
+// gathers e's instances in index order into shared memory (a stable block-wide compaction).
+// Returns the number of instances, or -1 when this block has nothing to do.
+__device__ int gather_instances(const int64_t* __restrict__ instance_group, int64_t I, int32_t* list, int* warp_counts) {
+  __shared__ int s_total, s_first;
+  const int64_t b = blockIdx.x, e = instance_group[b];
+  if (threadIdx.x == 0) { s_total = 0; s_first = 1; }
+  __syncthreads();
+  for (int64_t k = threadIdx.x; k < b; k += blockDim.x)
+    if (instance_group[k] == e) s_first = 0;
+  __syncthreads();
+  if (!s_first) return -1;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  for (int64_t base = 0; base < I; base += blockDim.x) {
+    const int64_t k = base + threadIdx.x;
+    const bool mine = k < I && instance_group[k] == e;
+    const unsigned ballot = __ballot_sync(0xffffffffu, mine);
+    if (lane == 0) warp_counts[warp] = __popc(ballot);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int run = s_total;
+      for (int w = 0; w < nwarps; ++w) { const int c = warp_counts[w]; warp_counts[w] = run; run += c; }
+      s_total = run;
+    }
+    __syncthreads();
+    if (mine) list[warp_counts[warp] + __popc(ballot & ((1u << lane) - 1u))] = (int32_t)k;
+    __syncthreads();
+  }
+  return s_total;
+}
+
+// Stage 1 (local first): each pair of e whose rank has an instance of e takes it, in pair order, up to
+// its capacity; the rest are marked as spilled. Writes every instance's spare capacity.
+__global__ void route_local_kernel(const uint64_t* __restrict__ keys, const int32_t* __restrict__ pos, int64_t P,
+                                   const int64_t* __restrict__ instance_group, const int64_t* __restrict__ instance_rank,
+                                   const int64_t* __restrict__ capacity, int64_t I, int64_t* __restrict__ spare,
+                                   uint64_t* __restrict__ spill_keys, int64_t* __restrict__ out) {
+  extern __shared__ int32_t list[];
+  __shared__ int warp_counts[32];
+  __shared__ int64_t seg[2];
+  const int m = gather_instances(instance_group, I, list, warp_counts);
+  if (m < 0) return;
+  const uint64_t e = (uint64_t)instance_group[blockIdx.x];
+  if (threadIdx.x == 0) {
+    seg[0] = lower_bound<uint64_t>(keys, 0, P, e << 32);
+    seg[1] = lower_bound<uint64_t>(keys, seg[0], P, (e + 1) << 32);
+  }
+  __syncthreads();
+  const int64_t s = seg[0], t = seg[1];
+  for (int j = threadIdx.x; j < m; j += blockDim.x) {
+    const int32_t inst = list[j];
+    const int64_t cap = capacity[inst], r = instance_rank[inst];
+    LRMOE_DEVICE_ASSERT(cap >= 0, "capacity_route: capacities must be >= 0");
+    bool first_on_rank = true;
+    for (int k = 0; k < j; ++k) first_on_rank &= instance_rank[list[k]] != r;
+    int64_t take = 0;
+    if (first_on_rank) {
+      const uint64_t key = (e << 32) | uint64_t(r);
+      const int64_t run = lower_bound<uint64_t>(keys, s, t, key + 1) - lower_bound<uint64_t>(keys, s, t, key);
+      take = min(cap, run);
+    }
+    spare[inst] = cap - take;
+  }
+  for (int64_t i = s + threadIdx.x; i < t; i += blockDim.x) {
+    const uint64_t key = keys[i];
+    const int64_t r = int64_t(key & 0xffffffffu);
+    const int32_t p = pos[i];
+    int32_t local = -1;
+    for (int k = 0; k < m && local < 0; ++k)
+      if (instance_rank[list[k]] == r) local = list[k];
+    if (local >= 0 && i - lower_bound<uint64_t>(keys, s, i, key) < capacity[local]) out[p] = local;
+    else spill_keys[p] = (e << 32) | uint64_t(p);
+  }
+}
+
+// Stage 2 (spill): e's spilled pairs, in pair order, are spread as if one at a time onto the instance
+// with the most spare capacity (ties: lowest index) = a water-fill to level L; each instance in index
+// order then takes a contiguous run. Pairs beyond the total spare stay -1.
+__global__ void route_spill_kernel(const uint64_t* __restrict__ spill_keys, int64_t P,
+                                   const int64_t* __restrict__ instance_group, int64_t I,
+                                   const int64_t* __restrict__ spare, int64_t* __restrict__ out) {
+  extern __shared__ int32_t list[];
+  __shared__ int warp_counts[32];
+  __shared__ int64_t seg[2];
+  const int m = gather_instances(instance_group, I, list, warp_counts);
+  if (m < 0) return;
+  int64_t* prefix = reinterpret_cast<int64_t*>(list + ((I + 1) / 2) * 2);  // m + 1 entries
+  const uint64_t e = (uint64_t)instance_group[blockIdx.x];
+  if (threadIdx.x == 0) {
+    seg[0] = lower_bound<uint64_t>(spill_keys, 0, P, e << 32);
+    seg[1] = lower_bound<uint64_t>(spill_keys, seg[0], P, (e + 1) << 32);
+    const int64_t S = seg[1] - seg[0];
+    int64_t total = 0, top = 0;
+    for (int j = 0; j < m; ++j) { total += spare[list[j]]; top = max(top, spare[list[j]]); }
+    int64_t level = 0, extra = 0;  // takes_j = max(0, s_j - level) + (first `extra` with s_j >= level)
+    if (S < total) {
+      int64_t lo = 1, hi = top;  // smallest L >= 1 with f(L) = sum max(0, s_j - L) <= S
+      while (lo < hi) {
+        const int64_t mid = (lo + hi) / 2;
+        int64_t f = 0;
+        for (int j = 0; j < m; ++j) f += max(int64_t(0), spare[list[j]] - mid);
+        if (f <= S) hi = mid; else lo = mid + 1;
+      }
+      level = lo;
+      int64_t f = 0;
+      for (int j = 0; j < m; ++j) f += max(int64_t(0), spare[list[j]] - level);
+      extra = S - f;
+    }
+    prefix[0] = 0;
+    for (int j = 0; j < m; ++j) {
+      const int64_t sj = spare[list[j]];
+      int64_t take = max(int64_t(0), sj - level);
+      if (S < total && sj >= level && extra > 0) { ++take; --extra; }
+      prefix[j + 1] = prefix[j] + take;
+    }
+  }
+  __syncthreads();
+  const int64_t s = seg[0], t = seg[1], placed = prefix[m];
+  for (int64_t k = threadIdx.x; k < t - s && k < placed; k += blockDim.x) {
+    int lo = 0, hi = m;  // the j with prefix[j] <= k < prefix[j+1]
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (prefix[mid] <= k) lo = mid; else hi = mid;
+    }
+    out[int64_t(spill_keys[s + k] & 0xffffffffu)] = list[lo];
+  }
+}
+
+int grid_for(int64_t n, int threads = 256) {
+  return (int)std::max<int64_t>(1, std::min<int64_t>((n + threads - 1) / threads, 8 * num_sms()));
+}
+
+}  // namespace
+
+size_t topk_retention(const void* scores, DType stype, int64_t P, const void* group_sizes, IType gtype,
+                      const void* quotas, IType qtype, int64_t G, int64_t* kept, int64_t* kept_sizes,
+                      void* threshold, int64_t* summary, void* temp, size_t temp_bytes, cudaStream_t stream) {
+  if (gtype != IType::kI64 || qtype != IType::kI64) throw std::runtime_error("topk_retention: int64 sizes expected");
+  Scratch sc(temp);
+  int64_t* offsets = sc.take<int64_t>(G + 1);
+  uint64_t* keys_in = sc.take<uint64_t>(P);
+  uint64_t* keys_out = sc.take<uint64_t>(P);
+  int32_t* pos_in = sc.take<int32_t>(P);
+  int32_t* pos_out = sc.take<int32_t>(P);
+  uint8_t* flags = sc.take<uint8_t>(P);
+  const auto* gs = static_cast<const int64_t*>(group_sizes);
+  const auto* qs = static_cast<const int64_t*>(quotas);
+  const int end_bit = 32 + end_bit_for(G + 1);
+  thrust::counting_iterator<int64_t> iota(0);
+  size_t sort_bytes = 0, scan_bytes = 0, select_bytes = 0;
+  LRMOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, keys_in, keys_out, pos_in, pos_out, P, 0, end_bit, stream));
+  LRMOE_CUDA_CHECK(cub::DeviceScan::InclusiveSum(nullptr, scan_bytes, gs, offsets + 1, G, stream));
+  LRMOE_CUDA_CHECK(cub::DeviceSelect::Flagged(nullptr, select_bytes, iota, flags, kept, summary, P, stream));
+  void* cub_temp = sc.take<char>(std::max({sort_bytes, scan_bytes, select_bytes}));
+  if (temp == nullptr) return sc.used;
+  if (temp_bytes < sc.used) throw std::runtime_error("topk_retention: scratch too small");
+
+  LRMOE_CUDA_CHECK(cudaMemsetAsync(summary, 0, 3 * sizeof(int64_t), stream));
+  LRMOE_CUDA_CHECK(cudaMemsetAsync(offsets, 0, sizeof(int64_t), stream));
+  if (G > 0) {
+    size_t bytes = scan_bytes;
+    LRMOE_CUDA_CHECK(cub::DeviceScan::InclusiveSum(cub_temp, bytes, gs, offsets + 1, G, stream));
+    retention_groups_kernel<<<grid_for(G), 256, 0, stream>>>(gs, qs, offsets, G, kept_sizes, summary);
+    LRMOE_LAUNCH_CHECK("topk_retention: groups");
+  }
+  dispatch_float(stype, [&](auto tag) {
+    using score_t = decltype(tag);
+    const auto* sp = static_cast<const score_t*>(scores);
+    auto* th = static_cast<score_t*>(threshold);
+    retention_keys_kernel<score_t><<<grid_for(std::max(P, G)), 256, 0, stream>>>(sp, offsets, G, P, keys_in, pos_in, flags, th);
+    LRMOE_LAUNCH_CHECK("topk_retention: keys");
+    if (P == 0) return;
+    size_t bytes = sort_bytes;
+    LRMOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(cub_temp, bytes, keys_in, keys_out, pos_in, pos_out, P, 0, end_bit, stream));
+    retention_mark_kernel<score_t><<<grid_for(P), 256, 0, stream>>>(keys_out, pos_out, sp, offsets, qs, G, P, flags, th);
+    LRMOE_LAUNCH_CHECK("topk_retention: mark");
+    bytes = select_bytes;
+    LRMOE_CUDA_CHECK(cub::DeviceSelect::Flagged(cub_temp, bytes, iota, flags, kept, summary, P, stream));
+  });
+  return sc.used;
+}
+
+size_t capacity_route(const void* pair_group, const void* pair_rank, IType ptype, int64_t P, const void* instance_group,
+                      const void* instance_rank, const void* instance_capacity, IType itype, int64_t I,
+                      int64_t* pair_instance, void* temp, size_t temp_bytes, cudaStream_t stream) {
+  if (ptype != IType::kI64 || itype != IType::kI64) throw std::runtime_error("capacity_route: int64 inputs expected");
+  Scratch sc(temp);
+  uint64_t* keys_in = sc.take<uint64_t>(P);
+  uint64_t* keys_out = sc.take<uint64_t>(P);
+  int32_t* pos_in = sc.take<int32_t>(P);
+  int32_t* pos_out = sc.take<int32_t>(P);
+  uint64_t* spill_in = sc.take<uint64_t>(P);
+  uint64_t* spill_out = sc.take<uint64_t>(P);
+  int64_t* spare = sc.take<int64_t>(I);
+  size_t pair_bytes = 0, key_bytes = 0;
+  LRMOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, pair_bytes, keys_in, keys_out, pos_in, pos_out, P, 0, 64, stream));
+  LRMOE_CUDA_CHECK(cub::DeviceRadixSort::SortKeys(nullptr, key_bytes, spill_in, spill_out, P, 0, 64, stream));
+  void* cub_temp = sc.take<char>(std::max(pair_bytes, key_bytes));
+  if (temp == nullptr) return sc.used;
+  if (temp_bytes < sc.used) throw std::runtime_error("capacity_route: scratch too small");
+  if (P == 0) return sc.used;
+  const auto* pg = static_cast<const int64_t*>(pair_group);
+  const auto* pr = static_cast<const int64_t*>(pair_rank);
+  const auto* ig = static_cast<const int64_t*>(instance_group);
+  const auto* ir = static_cast<const int64_t*>(instance_rank);
+  const auto* cap = static_cast<const int64_t*>(instance_capacity);
+  route_prepare_kernel<<<grid_for(P), 256, 0, stream>>>(pg, pr, P, keys_in, pos_in, spill_in, pair_instance);
+  LRMOE_LAUNCH_CHECK("capacity_route: prepare");
+  if (I == 0) return sc.used;
+  size_t bytes = pair_bytes;
+  LRMOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(cub_temp, bytes, keys_in, keys_out, pos_in, pos_out, P, 0, 64, stream));
+  const size_t list_bytes = ((I + 1) / 2) * 2 * sizeof(int32_t);
+  route_local_kernel<<<(unsigned)I, 256, list_bytes, stream>>>(keys_out, pos_out, P, ig, ir, cap, I, spare, spill_in,
+                                                               pair_instance);
+  LRMOE_LAUNCH_CHECK("capacity_route: local");
+  bytes = key_bytes;
+  LRMOE_CUDA_CHECK(cub::DeviceRadixSort::SortKeys(cub_temp, bytes, spill_in, spill_out, P, 0, 64, stream));
+  const size_t spill_smem = list_bytes + (I + 1) * sizeof(int64_t);  // up to 96 KiB at I = 8192
+  if (spill_smem > 48 * 1024)
+    LRMOE_CUDA_CHECK(cudaFuncSetAttribute(route_spill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)spill_smem));
+  route_spill_kernel<<<(unsigned)I, 256, spill_smem, stream>>>(spill_out, P, ig, I, spare,
+                                                                                          pair_instance);
+  LRMOE_LAUNCH_CHECK("capacity_route: spill");
+  return sc.used;
+}
+
+}  // namespace lrmoe

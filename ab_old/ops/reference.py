@@ -1,0 +1,396 @@
+"""Torch reference implementations of every op: the CPU path, and the oracle the CUDA ops are
+tested against. One implementation per op; nothing else in the project re-implements them.
+
+Shape letters: T tokens, H hidden, N/K a GEMM's output/reduction size, G groups (experts or expert
+instances), P pairs (token-expert assignments), I expert instances.
+
+The references may read sizes to the host (a CPU loop over groups needs them); the CUDA ops may not.
+"""
+from typing import Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+
+def routing_plan(group_of_pair: torch.Tensor, num_groups: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group pairs by destination.
+
+    Args:
+        group_of_pair: [P] int, destination group of each pair, in [0, num_groups).
+    Returns:
+        counts [G] int64, pairs per group;
+        order [P] int64, a stable permutation: order[i] is the pair at grouped position i
+            (pairs of group 0 first, each group in pair order);
+        offsets [G+1] int64, group g occupies grouped positions offsets[g]:offsets[g+1].
+    """
+    group_of_pair = group_of_pair.reshape(-1).long()
+    counts = torch.bincount(group_of_pair, minlength=num_groups)
+    order = torch.argsort(group_of_pair, stable=True)
+    offsets = torch.zeros(num_groups + 1, dtype=torch.long, device=group_of_pair.device)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    return counts, order, offsets
+
+
+def permute(x: torch.Tensor, row_index: torch.Tensor, row_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Row gather into grouped order: out[i] = x[row_index[i]] (* row_scale[i], rounded to x's dtype first).
+    x [T, H], row_index [P], row_scale [P] or None -> [P, H]."""
+    out = x.index_select(0, row_index.reshape(-1).long())
+    return out if row_scale is None else out * row_scale.reshape(-1, 1).to(x.dtype)
+
+
+def unpermute(rows: torch.Tensor, row_of_pair: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Weighted combine: out[t] = sum_k weight[t, k] * rows[row_of_pair[t, k]].
+
+    A gather then a fixed-order sum over k, so it is deterministic (no scatter atomics).
+    rows [P, H], row_of_pair [T, K] int, weight [T, K] -> [T, H] in rows' dtype; the sum runs in
+    the wider of rows' and weight's dtypes. row_of_pair[t, k] = -1: the pair has no row and adds
+    nothing (whatever its weight).
+    """
+    acc = torch.promote_types(rows.dtype, weight.dtype)
+    gathered, missing = _pair_rows(rows, row_of_pair)
+    weight = weight.masked_fill(missing, 0)  # a zero row with weight 0 for the pairs that have none
+    return torch.einsum("tkh,tk->th", gathered.to(acc), weight.to(acc)).to(rows.dtype)
+
+
+def _pair_rows(rows: torch.Tensor, row_of_pair: torch.Tensor):
+    """(rows gathered per pair [T, K, H], missing [T, K]): a zero row where row_of_pair is -1."""
+    T, K = row_of_pair.shape
+    index = row_of_pair.reshape(-1).long()
+    missing = index < 0
+    if bool(missing.any()):
+        rows = torch.cat([rows, rows.new_zeros(1, rows.shape[-1])])
+        index = torch.where(missing, rows.shape[0] - 1, index)
+    return rows.index_select(0, index).view(T, K, rows.shape[-1]), missing.view(T, K)
+
+
+def unpermute_weight_grad(rows: torch.Tensor, row_of_pair: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """The gradient of :func:`unpermute` with respect to its weights: out[t, k] = <rows[row_of_pair[t, k]], dout[t]>.
+
+    rows [P, H], row_of_pair [T, K] int (-1: no row, gives 0), dout [T, H] -> [T, K] in the wider of
+    rows' dtype and float32 (the sum runs in it)."""
+    acc = torch.promote_types(rows.dtype, torch.float32)
+    gathered, _ = _pair_rows(rows, row_of_pair)
+    return torch.einsum("tkh,th->tk", gathered.to(acc), dout.to(acc))
+
+
+def unpermute_backward(rows: torch.Tensor, row_of_pair: torch.Tensor, weight: torch.Tensor,
+                       dout: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`unpermute` with respect to its rows and its weights: (d_rows [P, H], d_weight [T, K]).
+
+    d_rows[row_of_pair[t, k]] = weight[t, k] * dout[t] (rounded as :func:`permute` rounds its scaled rows),
+    d_weight = :func:`unpermute_weight_grad`. Every row must be the row of exactly one pair (P = T K, row_of_pair
+    a permutation of [0, P): the inverse of a routing plan's order), so that d_rows is written whole."""
+    T, K = row_of_pair.shape
+    index = row_of_pair.reshape(-1).long()
+    P = index.numel()
+    if rows.shape[0] != P or bool((index < 0).any()) or not bool((torch.bincount(index, minlength=P) == 1).all()):
+        raise ValueError(f"unpermute_backward: every row must be the row of exactly one pair: row_of_pair "
+                         f"{tuple(row_of_pair.shape)} must hold each of rows' indices [0, {rows.shape[0]}) once")
+    pair_of_row = torch.empty_like(index).index_copy_(0, index, torch.arange(P, device=index.device))
+    d_rows = permute(dout, pair_of_row // K, weight.reshape(-1).index_select(0, pair_of_row))
+    return d_rows, unpermute_weight_grad(rows, row_of_pair, dout)
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of the up-projection's output h [M, 2F] (gate columns first): silu(gate) * up -> [M, F].
+    Plain torch, so it is also the differentiable version the expert modules use."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def swiglu_backward(h: torch.Tensor, da: torch.Tensor, inplace: bool = False, with_activation: bool = False,
+                    index: Optional[torch.Tensor] = None):
+    """dh [M, 2F] of :func:`swiglu` from h and da [M, F]; computed in the wider of h's dtype and float32.
+
+    ``inplace``: dh is written over h (h's values are read first) and h is returned: the backward's
+    buffers need not hold both. ``with_activation``: returns (dh, a), a = swiglu(h) from the same h (the
+    backward recomputes it for the down projection's weight gradient). ``index`` [M] (int64): the rows
+    of h [Mh, 2F] to read, output row m from h[index[m]] (the retained rows of a stash, without a copy
+    of them first); not with ``inplace``."""
+    if index is not None:
+        if inplace:
+            raise ValueError("swiglu_backward: inplace writes over h's own rows; it takes no index")
+        if index.dim() != 1 or index.dtype != torch.int64:
+            raise ValueError(f"swiglu_backward: index must be int64 [M], got {index.dtype} {tuple(index.shape)}")
+        h = h.index_select(0, index)  # an index out of h's rows raises here
+    acc = torch.promote_types(h.dtype, torch.float32)
+    gate, up = h.to(acc).chunk(2, dim=-1)
+    da = da.to(acc)
+    s = torch.sigmoid(gate)
+    dh = torch.cat([da * up * s * (1 + gate * (1 - s)), da * gate * s], dim=-1).to(h.dtype)
+    a = swiglu(h) if with_activation else None
+    if inplace:
+        dh = h.copy_(dh)
+    return (dh, a) if with_activation else dh
+
+
+def _group_slices(group_sizes: torch.Tensor):
+    start = 0
+    for g, n in enumerate(group_sizes.tolist()):  # host read: the reference loops on the CPU
+        yield g, start, start + n
+        start += n
+
+
+def grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], group_sizes: torch.Tensor) -> torch.Tensor:
+    """Segmented GEMM forward, nn.Linear layout: out_g = x_g @ W_g^T.
+
+    x [M, K] in grouped order, weights: G tensors [N, K], group_sizes [G] (sum = M) -> [M, N].
+    """
+    _check_groups(x, weights, group_sizes, dim=1)
+    out = x.new_empty(x.shape[0], weights[0].shape[0])
+    for g, a, b in _group_slices(group_sizes):
+        torch.matmul(x[a:b], weights[g].t(), out=out[a:b])
+    return out
+
+
+def grouped_linear_dgrad(dy: torch.Tensor, weights: Sequence[torch.Tensor], group_sizes: torch.Tensor) -> torch.Tensor:
+    """Segmented GEMM dgrad: dx_g = dy_g @ W_g.   dy [M, N], weights: G tensors [N, K] -> [M, K]."""
+    _check_groups(dy, weights, group_sizes, dim=0)
+    out = dy.new_empty(dy.shape[0], weights[0].shape[1])
+    for g, a, b in _group_slices(group_sizes):
+        torch.matmul(dy[a:b], weights[g], out=out[a:b])
+    return out
+
+
+def grouped_linear_wgrad(dy: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor,
+                         out: Optional[Sequence[torch.Tensor]] = None, accumulate: bool = False):
+    """Segmented GEMM wgrad (variable reduction size): dW_g = dy_g^T @ x_g.
+
+    dy [M, N], x [M, K], group_sizes [G]. Writes into ``out`` (G tensors [N, K]) when given,
+    adding to what is there when ``accumulate``; an empty group gives zeros (or leaves ``out``
+    unchanged when accumulating). Returns the G gradients.
+    """
+    if dy.shape[0] != x.shape[0]:
+        raise ValueError(f"grouped_linear_wgrad: dy has {dy.shape[0]} rows but x has {x.shape[0]}")
+    G = group_sizes.numel()
+    if out is None:
+        out = [dy.new_zeros(dy.shape[1], x.shape[1]) for _ in range(G)]
+    elif len(out) != G:
+        raise ValueError(f"grouped_linear_wgrad: {len(out)} output tensors for {G} groups")
+    for g, a, b in _group_slices(group_sizes):
+        grad = dy[a:b].t().to(out[g].dtype) @ x[a:b].to(out[g].dtype)
+        if accumulate:
+            out[g].add_(grad)
+        else:
+            out[g].copy_(grad)
+    return list(out)
+
+
+def split_groups(buffer: torch.Tensor):
+    """G tensors viewing the groups of buffer [G, ...] (detached: no autograd)."""
+    return list(buffer.detach().unbind(0))
+
+
+def _check_groups(x, weights, group_sizes, dim):
+    if len(weights) != group_sizes.numel():
+        raise ValueError(f"{len(weights)} weights for {group_sizes.numel()} groups")
+    if x.dim() != 2 or (len(weights) and x.shape[1] != weights[0].shape[dim]):
+        raise ValueError(f"input of shape {tuple(x.shape)} does not match weights of shape "
+                         f"{tuple(weights[0].shape) if len(weights) else ()}")
+
+
+def topk_retention(scores: torch.Tensor, group_sizes: torch.Tensor, quotas: torch.Tensor,
+                   num_kept: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quota-aware top-k: in each group keep the q_g pairs of highest score, ties by position.
+
+    Args:
+        scores: [P] float, pairs in grouped order.
+        group_sizes: [G] int, n_g (sum = P).  quotas: [G] int >= 0.
+    Returns:
+        kept [P'] int64: grouped positions of the kept pairs, in grouped order (each group's kept
+            pairs ascending by position), P' = sum_g min(q_g, n_g);
+        kept_sizes [G] int64: min(q_g, n_g);
+        threshold [G] float: the (q_g+1)-th largest score of group g, 0 where q_g >= n_g
+            (priority sampling's tau).
+    """
+    if scores.dim() != 1 or scores.numel() != int(group_sizes.sum()):
+        raise ValueError(f"topk_retention: {scores.numel()} scores for groups summing to {int(group_sizes.sum())}")
+    if (quotas < 0).any():
+        raise ValueError("topk_retention: quotas must be >= 0")
+    kept, thresholds = [], []
+    for g, a, b in _group_slices(group_sizes):
+        q = min(int(quotas[g]), b - a)
+        s = scores[a:b]
+        # descending by score, ties by position: sort positions by (-score) stably
+        rank = torch.sort(-s, stable=True).indices
+        kept.append(torch.sort(rank[:q]).values + a)
+        thresholds.append(s[rank[q]] if q < b - a else s.new_zeros(()))
+    device = scores.device
+    kept = torch.cat(kept) if kept else torch.zeros(0, dtype=torch.long, device=device)
+    threshold = torch.stack(thresholds) if thresholds else scores.new_zeros(0)
+    if num_kept is not None and num_kept != kept.numel():
+        raise ValueError(f"topk_retention: num_kept {num_kept} but the quotas keep {kept.numel()}")
+    return kept.long(), torch.minimum(quotas.long(), group_sizes.long()), threshold
+
+
+def capacity_route(pair_group: torch.Tensor, pair_rank: torch.Tensor, instance_group: torch.Tensor,
+                   instance_rank: torch.Tensor, instance_capacity: torch.Tensor) -> torch.Tensor:
+    """Assign retained pairs to instances of their expert under per-instance capacities.
+
+    Pairs are in grouped order (by expert). For each expert:
+      1. local first: the pairs whose token lives on rank r go, in pair order, to the expert's
+         instance on rank r (the first such instance), up to its capacity;
+      2. spill: the remaining pairs are placed as if one at a time on the instance with the most
+         spare capacity (ties: lowest instance index); equivalently, a water-fill of the spare
+         capacities, each instance then taking a contiguous run of the spilled pairs in instance order;
+      3. pairs that fit nowhere get -1.
+    Deterministic. pair_group/pair_rank [P], instance_* [I] -> pair_instance [P] int64.
+    """
+    P = pair_group.numel()
+    out = torch.full((P,), -1, dtype=torch.long)
+    pg, pr = pair_group.long().cpu(), pair_rank.long().cpu()
+    ig, ir, cap = instance_group.long().cpu(), instance_rank.long().cpu(), instance_capacity.long().cpu()
+    if (cap < 0).any():
+        raise ValueError("capacity_route: capacities must be >= 0")
+    spare = cap.clone()
+    for e in torch.unique(pg).tolist():
+        pairs = (pg == e).nonzero().flatten()
+        insts = (ig == e).nonzero().flatten()
+        spilled = []
+        for r in torch.unique(pr[pairs]).tolist():
+            mine = pairs[pr[pairs] == r]
+            local = insts[ir[insts] == r]
+            take = 0
+            if local.numel():
+                i = int(local[0])
+                take = min(int(spare[i]), mine.numel())
+                out[mine[:take]] = i
+                spare[i] -= take
+            spilled.append(mine[take:])
+        spilled = torch.sort(torch.cat(spilled)).values if spilled else pairs[:0]
+        left = spilled.numel()
+        # water-fill: greedy one-at-a-time to the most spare instance gives these counts
+        takes = torch.zeros(insts.numel(), dtype=torch.long)
+        s = spare[insts].clone()
+        while left and s.numel() and int(s.max()) > 0:  # no instance of e: all its pairs stay -1
+            j = int(torch.argmax(s))  # first maximum: lowest instance index
+            takes[j] += 1
+            s[j] -= 1
+            left -= 1
+        start = 0
+        for j, i in enumerate(insts.tolist()):
+            n = int(takes[j])
+            out[spilled[start:start + n]] = i
+            spare[i] -= n
+            start += n
+    return out.to(pair_group.device)
+
+
+def check_groups(E: int, k: int, num_groups: int, topk_groups: Optional[int]) -> None:
+    """Group-limited selection's arguments (router_topk's, and the Router's at construction)."""
+    if num_groups < 1 or E % num_groups:
+        raise ValueError(f"router_topk: num_groups must be >= 1 and divide E = {E}, got {num_groups}")
+    topk_groups = num_groups if topk_groups is None else topk_groups
+    if not 1 <= topk_groups <= num_groups or k > topk_groups * (E // num_groups):
+        raise ValueError(f"router_topk: topk_groups must be in [1, num_groups = {num_groups}] and leave k = {k} "
+                         f"experts to choose from ({E // num_groups} per group), got {topk_groups}")
+
+
+def _check_router(logits: torch.Tensor, k: int, score_func: str, score_bias: Optional[torch.Tensor] = None,
+                  topk_index: Optional[torch.Tensor] = None, d_topk_weight: Optional[torch.Tensor] = None,
+                  d_prob_sum: Optional[torch.Tensor] = None, num_groups: int = 1, topk_groups: Optional[int] = None):
+    """The argument checks of router_topk and router_topk_backward (the CUDA wrappers run them too)."""
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"router_topk: logits must be a float [T, E] tensor, got {logits.dtype} of shape "
+                         f"{tuple(logits.shape)}")
+    T, E = logits.shape
+    if not 1 <= k <= E:
+        raise ValueError(f"router_topk: k must be in [1, E={E}], got {k}")
+    if score_func not in ("softmax", "sigmoid"):
+        raise ValueError(f"router_topk: score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
+    if score_bias is not None and tuple(score_bias.shape) != (E,):
+        raise ValueError(f"router_topk: score_bias must be [E] = [{E}], got shape {tuple(score_bias.shape)}")
+    check_groups(E, k, num_groups, topk_groups)
+    if topk_index is not None and (tuple(topk_index.shape) != (T, k) or tuple(d_topk_weight.shape) != (T, k)):
+        raise ValueError(f"router_topk_backward: topk_index and d_topk_weight must both be [T, K] = [{T}, {k}]; "
+                         f"got {tuple(topk_index.shape)} and {tuple(d_topk_weight.shape)}")
+    if d_prob_sum is not None and tuple(d_prob_sum.shape) != (E,):
+        raise ValueError(f"router_topk_backward: d_prob_sum must be [E] = [{E}], got shape {tuple(d_prob_sum.shape)}")
+
+
+def _router_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
+    return torch.softmax(logits, dim=-1) if score_func == "softmax" else torch.sigmoid(logits)
+
+
+def router_topk(logits: torch.Tensor, k: int, score_func: str = "softmax", norm_topk_prob: bool = True,
+                score_bias: Optional[torch.Tensor] = None, num_groups: int = 1, topk_groups: Optional[int] = None):
+    """The router's top-k math, from logits [T, E] (float32 or float64; the math runs in their dtype).
+
+    scores = softmax(logits) over the experts, or sigmoid(logits) per expert. Each token takes the k
+    experts of highest selection score, scores + score_bias [E] when given (the bias changes only
+    which experts are chosen), ties to the lower expert index. Group-limited selection (DeepSeek-V3's):
+    with ``topk_groups`` < ``num_groups``, the experts form num_groups consecutive groups, each scored by
+    the sum of its two highest selection scores, and a token chooses only among the experts of its
+    topk_groups best groups.
+    Returns:
+        topk_index [T, K] int64: the chosen experts, in descending order of selection score;
+        topk_weight [T, K]: their scores, renormalised to sum to 1 when norm_topk_prob and k > 1
+            (the sum clamped to the dtype's smallest normal number);
+        counts [E] int64: pairs routed to each expert;
+        prob_sum [E]: sum over tokens of probs[t, e], probs = scores (softmax) or scores / scores.sum(-1)
+            (sigmoid): the load-balancing loss's mean probability times T.
+    Differentiable through plain autograd (the oracle of :func:`router_topk_backward`).
+    """
+    _check_router(logits, k, score_func, score_bias, num_groups=num_groups, topk_groups=topk_groups)
+    T, E = logits.shape
+    scores = _router_scores(logits, score_func)
+    probs = scores if score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
+    select = scores.detach() if score_bias is None else scores.detach() + score_bias.to(logits.dtype)
+    if topk_groups is not None and topk_groups < num_groups:
+        per_group = E // num_groups
+        group_score = select.view(T, num_groups, per_group).topk(min(2, per_group), dim=-1).values.sum(-1)
+        best = group_score.topk(topk_groups, dim=-1).indices
+        in_best = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)
+        select = select.masked_fill(~in_best.repeat_interleave(per_group, dim=1), float("-inf"))
+    # a stable descending sort: equal selection scores keep the lower expert index first (topk does not promise it)
+    topk_index = torch.sort(select, dim=-1, descending=True, stable=True).indices[:, :k]
+    topk_weight = scores.gather(1, topk_index)
+    if norm_topk_prob and k > 1:
+        topk_weight = topk_weight / topk_weight.sum(-1, keepdim=True).clamp_min(torch.finfo(logits.dtype).tiny)
+    # not torch.bincount: on CUDA it reads the largest index back to the host (a synchronisation)
+    flat = topk_index.flatten()
+    counts = torch.zeros(E, dtype=torch.long, device=logits.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return topk_index, topk_weight, counts, probs.sum(0)
+
+
+def router_topk_backward(logits: torch.Tensor, topk_index: torch.Tensor, d_topk_weight: torch.Tensor,
+                         d_prob_sum: Optional[torch.Tensor], score_func: str = "softmax",
+                         norm_topk_prob: bool = True) -> torch.Tensor:
+    """d_logits [T, E] of :func:`router_topk`'s differentiable outputs (topk_weight and prob_sum), in
+    closed form, from logits [T, E], topk_index [T, K], d_topk_weight [T, K] and d_prob_sum [E] (or
+    None: prob_sum unused).
+
+    With s the scores, w_j = s[i_j] the chosen ones, S = sum_j w_j and D = max(S, tiny):
+      renormalisation (norm_topk_prob, K > 1): dw_j = (g_j - sum_m g_m w_m / D) / D where S >= tiny,
+          else g_j / D (the clamp passes no gradient to S);
+      ds[t, i_j] += dw_j;  prob_sum: ds += d_prob_sum (softmax), or
+          ds += (d_prob_sum - sum_e d_prob_sum[e] p[t, e]) / Z with Z = sum_e s[t, e], p = s / Z (sigmoid);
+      d_logits = s * (ds - sum_e ds[t, e] s[t, e]) (softmax), or ds * s * (1 - s) (sigmoid, with 1 - s
+          computed as exp(-x) s where x >= 0).
+    """
+    K = topk_index.shape[-1] if topk_index.dim() else 0
+    _check_router(logits, K, score_func, None, topk_index, d_topk_weight, d_prob_sum)
+    dtype = logits.dtype
+    scores = _router_scores(logits, score_func)
+    topk_index = topk_index.long()
+    dw = d_topk_weight.to(dtype)
+    if norm_topk_prob and topk_index.shape[1] > 1:
+        tiny = torch.finfo(dtype).tiny
+        w = scores.gather(1, topk_index)
+        total = w.sum(-1, keepdim=True)
+        denom = total.clamp_min(tiny)
+        dw = torch.where(total >= tiny, (dw - (dw * w).sum(-1, keepdim=True) / denom) / denom, dw / denom)
+    d_scores = torch.zeros_like(scores).scatter_(1, topk_index, dw)  # a row's experts are distinct
+    if d_prob_sum is not None:
+        g = d_prob_sum.to(dtype).unsqueeze(0)
+        if score_func == "softmax":
+            d_scores += g
+        else:
+            z = scores.sum(-1, keepdim=True)
+            d_scores += (g - (g * scores).sum(-1, keepdim=True) / z) / z
+    if score_func == "softmax":
+        return scores * (d_scores - (d_scores * scores).sum(-1, keepdim=True))
+    # 1 - s as exp(-x) s where x >= 0: no cancellation where s is near 1 (in fp32, 1 - s would keep
+    # few bits of a saturated expert's derivative)
+    one_minus_scores = torch.where(logits >= 0, torch.exp(-logits) * scores, 1 - scores)
+    return d_scores * scores * one_minus_scores
