@@ -5,7 +5,8 @@
 #   mkdir ab_old && git archive <old commit> lrmoe_ds ops | tar -x -C ab_old
 #   bash benchmarks/gpu_layer_ab.sh ab_old      # AB_ARGS: bench_layer.py's arguments; AB_TESTS: pytest's files;
 #                                               # AB_SHAPES: the shapes, one process each (default both)
-# Logs and tables go to $OUT: ab_<shape>_{new,old}_<n>.md (keep under 8 files: the device returns no more).
+# Logs and tables go to $OUT: build.log, gpu_tests.log and ab_round_<n>.md, one file per round holding every table
+# of that round under a [new library] / [old library] heading (the device returns at most 8 files).
 old=${1:?the folder of the old library (lrmoe_ds/ and ops/)}
 source benchmarks/gpu_setup.sh || exit 1
 rm -rf /tmp/pkgold && mkdir -p /tmp/pkgold && cp -r "$old/lrmoe_ds" /tmp/pkgold/ && cp -r "$old/ops" /tmp/pkgold/lrmoe_ds/ops
@@ -26,9 +27,11 @@ for n in $(seq ${AB_ROUNDS:-1}); do
     for lib in new old; do
       left=$((limit - SECONDS)); [ $left -lt 40 ] && { echo "no time left for $shape $lib $n"; continue; }
       if [ $lib = old ]; then env="TORCH_EXTENSIONS_DIR=/tmp/ext_old PYTHONPATH=/tmp/pkgold:/tmp/site"; else env=""; fi
-      env $env timeout $left python3 benchmarks/bench_layer.py $args --shapes $shape --out $OUT/ab_${shape}_${lib}_$n.md \
+      table=/tmp/ab_${shape}_${lib}_$n.md
+      env $env timeout $left python3 benchmarks/bench_layer.py $args --shapes $shape --out $table \
         > /tmp/ab_${shape}_${lib}_$n.log 2>&1; echo "$shape $lib $n rc=$? at ${SECONDS}s"
-      grep -E "^\| (grouped|LRMoE)" $OUT/ab_${shape}_${lib}_$n.md 2>/dev/null | cut -d'|' -f1-4
+      grep -E "^\| (grouped|LRMoE)" $table 2>/dev/null | cut -d'|' -f1-4
+      { echo "---"; echo; echo "# [$lib library]"; sed 's/^#/##/' $table 2>/dev/null; echo; } >> $OUT/ab_round_$n.md
     done
   done
 done
