@@ -77,7 +77,9 @@ def parse_args(argv=None):
     p.add_argument("--name", default=None, help="results are convergence_<name>.md/.png (default: the config's name)")
     p.add_argument("--out_dir", default=os.path.join(ROOT, "benchmarks", "results"))
     p.add_argument("--work_dir", default=None, help="configs, logs, summaries, csv (default: runs/convergence_<name>)")
-    p.add_argument("--reuse", action="store_true", help="collect a run whose summary is already in --work_dir")
+    p.add_argument("--reuse", action="store_true",
+                   help="collect a run whose summary is already in --work_dir (pair only runs of one CPU model: "
+                        "the exact CPU run of one seed ended 1.3%% apart on two machines, same code)")
     p.add_argument("--smooth", type=float, default=None,
                    help="EMA factor of the plotted Train/loss (default: 1 - 50 / number of logged points, >= 0)")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="the rest goes to train.py as it is")
@@ -347,9 +349,20 @@ def main():
     text = (report_seeds if several else report)(args, results, cmd, base.get("train_micro_batch_size_per_gpu"))
     with open(md, "w") as f:
         f.write(text)
-    (plot_seeds if several else plot)(args, results, png)
-    print(text, f"wrote {md} and {png}", sep="\n")
+    wrote = md if write_plot(args, results, png, several) is None else f"{md} and {png}"
+    print(text, f"wrote {wrote}", sep="\n")
     return 0 if all(r["summary"] for r in results) else 1
+
+
+def write_plot(args, results, png, several):
+    """The plot, where matplotlib is installed (the "bench" extra); else a note on stderr and None, so that
+    runs that took an hour still end with their report instead of an ImportError."""
+    try:
+        (plot_seeds if several else plot)(args, results, png)  # each imports matplotlib first
+    except ImportError as e:
+        print(f"no plot ({e}; pip install 'lrmoe_ds[bench]'): the report only", file=sys.stderr)
+        return None
+    return png
 
 
 if __name__ == "__main__":

@@ -50,3 +50,11 @@ def test_repeated_seed_is_an_error(capsys):
     with pytest.raises(SystemExit):
         args_for([1, 1])
     assert "repeats a seed" in capsys.readouterr().err
+
+
+def test_without_matplotlib_the_report_stands_and_the_plot_is_skipped(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)        # import matplotlib now raises ImportError
+    args = args_for([1], runs=("exact",))
+    png = tmp_path / "c.png"
+    assert convergence.write_plot(args, [result("exact", 1, 2.0, [(0, 5.0)])], str(png), False) is None
+    assert not png.exists() and "no plot" in capsys.readouterr().err
