@@ -87,14 +87,16 @@ def unpermute_backward(rows: torch.Tensor, row_of_pair: torch.Tensor, weight: to
     its other entries must hold each of [0, num_d_rows) once. row_of_pair then only names the rows d_weight
     reads, -1 allowed (d_weight 0), as in :func:`unpermute_weight_grad`."""
     T, K = row_of_pair.shape
+    if (d_row_of_pair is None) != (num_d_rows is None):
+        raise ValueError("unpermute_backward: d_row_of_pair and num_d_rows come together")
     if d_row_of_pair is None:
         d_row_of_pair, num_d_rows = row_of_pair, rows.shape[0]
         what = f"every row must be the row of exactly one pair: row_of_pair {tuple(row_of_pair.shape)} must hold " \
                f"each of rows' indices [0, {rows.shape[0]}) once"
     else:
-        if num_d_rows is None or d_row_of_pair.shape != row_of_pair.shape:
-            raise ValueError(f"unpermute_backward: d_row_of_pair must be [T, K] = {tuple(row_of_pair.shape)} and come "
-                             f"with num_d_rows; got {tuple(d_row_of_pair.shape)} and {num_d_rows}")
+        if d_row_of_pair.shape != row_of_pair.shape:
+            raise ValueError(f"unpermute_backward: d_row_of_pair must be [T, K] = {tuple(row_of_pair.shape)}, got "
+                             f"{tuple(d_row_of_pair.shape)}")
         what = f"d_row_of_pair must hold each of [0, {num_d_rows}) once, and -1 elsewhere"
     index = d_row_of_pair.reshape(-1).long()
     given = index >= 0

@@ -165,8 +165,12 @@ def test_unpermute_backward_writes_the_kept_pairs_rows_by_their_own_map():
     for bad, count in ((drp.clone().index_fill_(1, torch.tensor([0]), 0), 5), (drp, 6), (drp - 2, 5)):
         with pytest.raises(ValueError, match="d_row_of_pair must hold each of"):
             ref.unpermute_backward(rows, rop, w, dout, bad, count)
-    with pytest.raises(ValueError, match="come with num_d_rows"):
+    with pytest.raises(ValueError, match="come together"):
         ref.unpermute_backward(rows, rop, w, dout, drp)
+    with pytest.raises(ValueError, match="come together"):
+        ref.unpermute_backward(rows, rop, w, dout, num_d_rows=5)
+    with pytest.raises(ValueError, match=r"d_row_of_pair must be \[T, K\]"):
+        ref.unpermute_backward(rows, rop, w, dout, drp[:2], 5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
