@@ -195,8 +195,7 @@ def report(args, results, cmd, base_micro):
     for st in steps:
         vals = [dict(r["eval"]).get(st) for r in results]
         lines.append(f"| {st} | " + " | ".join("-" if v is None else f"{v:.4f}" for v in vals) + " |")
-    lines += ["", f"![curves](convergence_{args.name}.png)", ""]
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n"
 
 
 def plot(args, results, path):
@@ -285,8 +284,7 @@ def report_seeds(args, results, cmd, base_micro):
             vals = [dict(by[(s, run)]["eval"]).get(st) for s in done]
             cells.append("-" if not vals or None in vals else f"{sum(vals) / len(vals):.4f}")
         lines.append(f"| {st} | " + " | ".join(cells) + " |")
-    lines += ["", f"![curves](convergence_{args.name}.png)", ""]
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n"
 
 
 def _mean_curve(curves):
@@ -347,9 +345,14 @@ def main():
     md, png = (os.path.join(args.out_dir, f"convergence_{args.name}{ext}") for ext in (".md", ".png"))
     several = len(args.seeds) > 1
     text = (report_seeds if several else report)(args, results, cmd, base.get("train_micro_batch_size_per_gpu"))
-    with open(md, "w") as f:
+    with open(md, "w") as f:  # before the plot: a failed plot leaves the report
         f.write(text)
-    wrote = md if write_plot(args, results, png, several) is None else f"{md} and {png}"
+    wrote = md
+    if write_plot(args, results, png, several) is not None:
+        link = f"\n![curves]({os.path.basename(png)})\n"
+        with open(md, "a") as f:
+            f.write(link)
+        text, wrote = text + link, f"{md} and {png}"
     print(text, f"wrote {wrote}", sep="\n")
     return 0 if all(r["summary"] for r in results) else 1
 
