@@ -10,7 +10,7 @@ microseconds per call, no synchronisation inside the timed loop) of the router's
 forms, the wgrad gradients' split (unbind vs the ops' split_groups), one grouped GEMM call over E
 groups, and the autograd engine's AccumulateGrad of 2E expert parameters (2 E leaves vs 2); and a
 cProfile of each LRMoE row's forward (the functions with the most own and cumulative host time, and
-what the layer's forward functions call).
+what the layer's forward functions call) and of its backward (run on the calling thread for it).
 
     python3 benchmarks/host_time.py --shape qwen3-30b-a3b --tokens 256 --out host_time.md
 """
@@ -69,6 +69,27 @@ def forward_profile(layer, x, grad, reps, rows=22):
     stats.sort_stats("tottime").print_stats(rows)
     stats.sort_stats("cumulative").print_stats(rows)
     stats.print_callees("forward|_backward_spec|plan_shares")
+    return text.getvalue()
+
+
+def backward_profile(layer, x, grad, reps, rows=40):
+    """cProfile of the backward alone, run on the calling thread (autograd's multithreading off, so that
+    cProfile sees it): the functions with the most own time, torch ops included, as text."""
+    prof = cProfile.Profile()
+    with torch.autograd.set_multithreading_enabled(False):
+        for i in range(reps + 2):  # the first two unprofiled: a first backward on this thread imports modules
+            layer.zero_grad(set_to_none=True)
+            out = layer(x.detach().requires_grad_(True))[0]
+            torch.cuda.synchronize()
+            if i >= 2:
+                prof.enable()
+            out.backward(grad)
+            prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.print_callees("backward|select_retained|mlp_backward")
     return text.getvalue()
 
 
@@ -163,14 +184,15 @@ def main():
         lines.append(f"| {name} | {f_ms:.2f} | {b_ms:.2f} | {f_ms + b_ms:.2f} |")
         print(lines[-1], flush=True)
         if kind == "lrmoe":
-            profiles.append((name, forward_profile(layer, x, grad, args.reps)))
+            profiles.append((f"forwards of {name}", forward_profile(layer, x, grad, args.reps)))
+            profiles.append((f"backwards of {name}", backward_profile(layer, x, grad, args.reps)))
         del layer
     lines += ["", "| part | host us per call |", "| --- | --- |"]
     for name, us in micro_rows(H, Fh, E, k, args.tokens):
         lines.append(f"| {name} | {us:.1f} |")
         print(lines[-1], flush=True)
     for name, prof in profiles:
-        lines += ["", f"cProfile of {args.reps} forwards of {name} (own time first; seconds over all of them):",
+        lines += ["", f"cProfile of {args.reps} {name} (own time first; seconds over all of them):",
                   "", "```", prof.strip(), "```"]
     text = "\n".join(lines) + "\n"
     if args.out:

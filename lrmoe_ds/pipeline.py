@@ -155,18 +155,13 @@ class RoutedMLP(torch.autograd.Function):
                 splits = disp.compact(replicas.counts, dout.device)
             elif disp.ep_size > 1:
                 splits = disp.compact(shares, dout.device)
-            kept_pairs = plan.order.index_select(0, kept)
-            gate = row_weight = weight_of_row.index_select(0, kept)
-            if spec.rescale:
-                row_weight = gate * scale
-            src = src.index_select(0, kept)
+            # the kept pairs, their tokens, gates and dy weights; pair -> its retained send row (-1: dropped; dy's
+            # rows and dx's combine go by it), and the dy weight by pair (0: dropped)
+            kept_pairs, src, gate, row_weight, kept_row_of_pair, pair_weight = ops.retained_pairs(
+                kept, scale, plan.order, weight_of_row, K, spec.rescale)
             if spec.record is not None:
                 spec.record.update(kept=kept, scale=scale, pairs=kept_pairs)
-            # pair -> its retained send row; a dropped pair has none (-1): dy's rows and dx's combine go by it
-            kept_row_of_pair = torch.full((T * K,), -1, dtype=plan.row_of_pair.dtype, device=dout.device).index_copy_(
-                0, kept_pairs, torch.arange(kept.numel(), dtype=plan.row_of_pair.dtype, device=dout.device)).view(T, K)
             if exact_router:  # the kept pairs' dy and every pair's gate gradient from one read of dout
-                pair_weight = row_weight.new_zeros(T * K).index_copy_(0, kept_pairs, row_weight).view(T, K)
                 dy, d_weight = ops.unpermute_backward(y_src, plan.row_of_pair, pair_weight, dout, kept_row_of_pair,
                                                       kept.numel())
                 d_weight = d_weight.to(topk_weight.dtype)

@@ -78,34 +78,28 @@ def select_retained(metric: torch.Tensor, group_sizes: torch.Tensor, quotas: tor
     metric [P] (pairs in grouped order), group_sizes [G], quotas [G].
     Returns kept [P'] (grouped positions, grouped order), scale [P'] fp32 (the unbiased weights;
     ones for "topk"), kept_sizes [G] (device). num_kept: sum_g min(quota, size) where known (no host read on
-    CUDA).
+    CUDA). The keys, the selection and the weights are one op (``ops.priority_sample``).
 
     total (the "threshold" allocation): keep ``total`` pairs over all groups, the largest keys among those
     within their group's quota (the quotas are then caps), so that a group keeps as many pairs as its
     metric mass earns. A kept pair's threshold is the larger of its group's and the overall one: each is
     the order statistic of the other pairs' keys that the pair had to beat, so the weights stay unbiased.
     """
-    if selection == "topk":
-        keys = metric
-    else:
-        u = 1.0 - torch.rand(metric.shape, generator=_generator(metric.device, seed), device=metric.device)  # (0, 1]
-        keys = metric / u
-    kept, kept_sizes, tau = ops.topk_retention(keys, group_sizes, quotas, num_kept)
-    ends = group_sizes.to(kept.device).cumsum(0)
-    # each kept position's group: kept positions are grouped, so a search in the groups' ends finds it
-    tau_row = tau.index_select(0, torch.bucketize(kept, ends, right=True))
+    u = None if selection == "topk" else torch.rand(metric.shape, generator=_generator(metric.device, seed),
+                                                    device=metric.device)
+    kept, scale, kept_sizes, _ = ops.priority_sample(metric, group_sizes, quotas, u, num_kept)
     if total is not None and total < kept.numel():
+        keys = metric.index_select(0, kept)
+        if u is not None:
+            keys = keys / (1.0 - u.index_select(0, kept))  # the kept pairs' keys, as priority_sample made them
         one_group = torch.full((1,), kept.numel(), dtype=torch.long, device=kept.device)  # a fill: no host copy
-        among, _, tau_all = ops.topk_retention(keys.index_select(0, kept), one_group, torch.full_like(one_group, total),
-                                               total)
-        kept, tau_row = kept.index_select(0, among), torch.maximum(tau_row.index_select(0, among), tau_all)
+        among, _, tau_all = ops.topk_retention(keys, one_group, torch.full_like(one_group, total), total)
+        kept, scale = kept.index_select(0, among), scale.index_select(0, among)
+        if u is not None:  # max(1, tau_g / m, tau_all / m): the larger of the two thresholds the pair beat
+            m = metric.index_select(0, kept)
+            scale = torch.maximum(scale, tau_all / m.clamp_min(torch.finfo(m.dtype).tiny))
+        ends = group_sizes.to(kept.device).cumsum(0)
         group = torch.bucketize(kept, ends, right=True)  # a scatter, not bincount: on CUDA that reads its max back
         kept_sizes = torch.zeros(group_sizes.numel(), dtype=torch.long, device=kept.device).scatter_add_(
             0, group, torch.ones_like(group))
-    if selection == "topk":
-        return kept, torch.ones(kept.numel(), device=metric.device), kept_sizes
-    m = metric.index_select(0, kept)
-    # tau = 0 (the whole group kept, or fewer non-zero metrics than the quota): 0 / m, clamped up, is weight 1
-    # (m is clamped off 0, so no 0/0). Where tau > 0 a kept key is >= tau > 0, so m > 0 and its clamp changes nothing.
-    scale = (tau_row / m.clamp_min(torch.finfo(m.dtype).tiny)).clamp_min(1.0)
     return kept, scale, kept_sizes

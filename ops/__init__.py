@@ -21,7 +21,7 @@ from . import reference
 __all__ = ["routing_plan", "permute", "unpermute", "unpermute_weight_grad", "unpermute_backward", "swiglu",
            "swiglu_backward",
            "grouped_linear", "grouped_linear_dgrad",
-           "grouped_linear_wgrad", "split_groups", "topk_retention", "capacity_route", "router_topk",
+           "grouped_linear_wgrad", "split_groups", "topk_retention", "priority_sample", "retained_pairs", "capacity_route", "router_topk",
            "router_topk_backward",
            "set_default_backend",
            "cuda_ops_status", "BACKENDS"]
@@ -170,6 +170,24 @@ def topk_retention(scores: torch.Tensor, group_sizes: torch.Tensor, quotas: torc
     ``num_kept``: P' = sum_g min(q_g, n_g) where the caller knows it; the CUDA op then reads nothing
     back to the host (and skips its input checks)."""
     return _select("topk_retention", backend, scores)(scores, group_sizes, quotas, num_kept)
+
+
+def priority_sample(metric: torch.Tensor, group_sizes: torch.Tensor, quotas: torch.Tensor,
+                    u: Optional[torch.Tensor] = None, num_kept: Optional[int] = None, backend: Optional[str] = None):
+    """Priority sampling within per-group quotas: ``(kept [P'], scale [P'], kept_sizes [G], threshold [G])``, keys
+    metric / (1 - u) (u None: plain top-k by the metric, weights 1); see reference.priority_sample. The CUDA op
+    takes float32 metric and u ("auto" runs other dtypes on the reference); ``num_kept`` as topk_retention."""
+    takes = metric.dtype == torch.float32 and (u is None or u.dtype == torch.float32)
+    return _select("priority_sample", backend, metric, takes)(metric, group_sizes, quotas, u, num_kept)
+
+
+def retained_pairs(kept: torch.Tensor, scale: torch.Tensor, order: torch.Tensor, weight_of_row: torch.Tensor, k: int,
+                   rescale: bool = True, backend: Optional[str] = None):
+    """The retained pairs' maps: ``(kept_pairs, src, gate, row_weight, kept_row_of_pair [T, k], pair_weight [T, k])``
+    from the kept send rows and their weights; see reference.retained_pairs. The CUDA op takes a float32 scale and
+    float32/16 or bfloat16 gate weights ("auto" runs others on the reference)."""
+    takes = scale.dtype == torch.float32 and weight_of_row.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    return _select("retained_pairs", backend, kept, takes)(kept, scale, order, weight_of_row, k, rescale)
 
 
 def capacity_route(pair_group, pair_rank, instance_group, instance_rank, instance_capacity,

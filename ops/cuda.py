@@ -3,9 +3,9 @@
 Each function has the name, signature and results of its twin in ``reference.py`` (the
 specification); it allocates the outputs and calls the extension on the current stream. None of
 them synchronises with the host (pass group sizes as CUDA tensors: a host tensor is copied over),
-except ``topk_retention``: its output length sum_g min(q_g, n_g)
-is data-dependent, so it reads one 3-element summary (that length and two input checks) back to
-the host, once, after all of its kernels have been queued.
+except ``topk_retention`` and ``priority_sample`` called without ``num_kept``: their output length
+sum_g min(q_g, n_g) is data-dependent, so they read one 3-element summary (that length and two input
+checks) back to the host, once, after all of their kernels have been queued.
 """
 import importlib
 import threading
@@ -141,29 +141,63 @@ def swiglu_backward(h: torch.Tensor, da: torch.Tensor, inplace: bool = False, wi
     return (dh, a) if with_activation else dh
 
 
-def topk_retention(scores: torch.Tensor, group_sizes: torch.Tensor, quotas: torch.Tensor, num_kept=None):
+def _retention_inputs(name: str, scores: torch.Tensor, group_sizes: torch.Tensor, quotas: torch.Tensor):
     if scores.dim() != 1:
-        raise ValueError(f"topk_retention: scores must be [P], got shape {tuple(scores.shape)}")
-    scores = scores.contiguous()
+        raise ValueError(f"{name}: scores must be [P], got shape {tuple(scores.shape)}")
     dev = scores.device
     sizes, quotas = _long_on(group_sizes, dev), _long_on(quotas, dev)
     if sizes.numel() != quotas.numel():
-        raise ValueError(f"topk_retention: {quotas.numel()} quotas for {sizes.numel()} groups")
+        raise ValueError(f"{name}: {quotas.numel()} quotas for {sizes.numel()} groups")
     P, G = scores.numel(), sizes.numel()
     kept = torch.empty(P, dtype=torch.long, device=dev)
     kept_sizes = torch.empty(G, dtype=torch.long, device=dev)
-    threshold = torch.empty(G, dtype=scores.dtype, device=dev)
     summary = torch.empty(3, dtype=torch.long, device=dev)
-    load().topk_retention(scores, sizes, quotas, kept, kept_sizes, threshold, summary)
+    return scores.contiguous(), sizes, quotas, kept, kept_sizes, summary
+
+
+def _kept_count(name: str, P: int, summary: torch.Tensor, num_kept) -> int:
     if num_kept is not None:  # the caller knows the size: no host read
-        return kept[:num_kept], kept_sizes, threshold
+        return num_kept
     # Host synchronisation (the only one in these ops): the kept count sizes the output.
     n_kept, total, negative = summary.tolist()
     if total != P:
-        raise ValueError(f"topk_retention: {P} scores for groups summing to {total}")
+        raise ValueError(f"{name}: {P} scores for groups summing to {total}")
     if negative:
-        raise ValueError("topk_retention: quotas must be >= 0")
-    return kept[:n_kept], kept_sizes, threshold
+        raise ValueError(f"{name}: quotas must be >= 0")
+    return n_kept
+
+
+def topk_retention(scores: torch.Tensor, group_sizes: torch.Tensor, quotas: torch.Tensor, num_kept=None):
+    scores, sizes, quotas, kept, kept_sizes, summary = _retention_inputs("topk_retention", scores, group_sizes, quotas)
+    threshold = torch.empty(sizes.numel(), dtype=scores.dtype, device=scores.device)
+    load().topk_retention(scores, sizes, quotas, kept, kept_sizes, threshold, summary)
+    return kept[:_kept_count("topk_retention", scores.numel(), summary, num_kept)], kept_sizes, threshold
+
+
+def priority_sample(metric: torch.Tensor, group_sizes: torch.Tensor, quotas: torch.Tensor, u=None, num_kept=None):
+    metric, sizes, quotas, kept, kept_sizes, summary = _retention_inputs("priority_sample", metric, group_sizes, quotas)
+    threshold = torch.empty(sizes.numel(), dtype=torch.float32, device=metric.device)
+    scale = torch.empty(metric.numel(), dtype=torch.float32, device=metric.device)
+    load().priority_sample(metric, None if u is None else u.contiguous(), sizes, quotas, kept, kept_sizes, threshold,
+                           scale, summary)
+    n = _kept_count("priority_sample", metric.numel(), summary, num_kept)
+    return kept[:n], scale[:n], kept_sizes, threshold
+
+
+def retained_pairs(kept: torch.Tensor, scale: torch.Tensor, order: torch.Tensor, weight_of_row: torch.Tensor, k: int,
+                   rescale: bool = True):
+    n, P, dev = kept.numel(), order.numel(), kept.device
+    if k < 1 or P % k:
+        raise ValueError(f"retained_pairs: {P} send rows are not a multiple of k = {k}")
+    rw_dtype = torch.float32 if rescale else weight_of_row.dtype
+    kept_pairs, src = torch.empty(n, dtype=torch.long, device=dev), torch.empty(n, dtype=torch.long, device=dev)
+    gate = torch.empty(n, dtype=weight_of_row.dtype, device=dev)
+    row_weight = torch.empty(n, dtype=rw_dtype, device=dev)
+    kept_row_of_pair = torch.empty(P // k, k, dtype=torch.long, device=dev)
+    pair_weight = torch.empty(P // k, k, dtype=rw_dtype, device=dev)
+    load().retained_pairs(kept.contiguous(), scale.contiguous(), order.contiguous(), weight_of_row.contiguous(), k,
+                          rescale, kept_pairs, src, gate, row_weight, kept_row_of_pair, pair_weight)
+    return kept_pairs, src, gate, row_weight, kept_row_of_pair, pair_weight
 
 
 def capacity_route(pair_group, pair_rank, instance_group, instance_rank, instance_capacity) -> torch.Tensor:

@@ -241,6 +241,57 @@ def topk_retention(scores: torch.Tensor, group_sizes: torch.Tensor, quotas: torc
     return kept.long(), torch.minimum(quotas.long(), group_sizes.long()), threshold
 
 
+def priority_sample(metric: torch.Tensor, group_sizes: torch.Tensor, quotas: torch.Tensor,
+                    u: Optional[torch.Tensor] = None, num_kept: Optional[int] = None):
+    """Priority sampling within per-group quotas: key_p = metric_p / (1 - u_p), the q_g largest keys of
+    each group kept (:func:`topk_retention`), each weighted max(1, tau_g / metric_p), tau_g the group's
+    (q_g+1)-th largest key (0 where the whole group is kept, so weight 1): the weighted kept terms are an
+    unbiased estimate of the group's sum. metric_p is clamped off 0 in the weight (no 0/0).
+
+    Args:
+        metric [P] float >= 0, pairs in grouped order; group_sizes, quotas [G] int; u [P] float in [0, 1)
+            (uniform draws), or None: plain top-k by the metric, every weight 1.
+    Returns:
+        kept [P'] int64 (as topk_retention), scale [P'] float (metric's dtype), kept_sizes [G] int64,
+        threshold [G] (the keys' dtype).
+    """
+    keys = metric if u is None else metric / (1.0 - u)
+    kept, kept_sizes, tau = topk_retention(keys, group_sizes, quotas, num_kept)
+    if u is None:
+        return kept, torch.ones(kept.numel(), dtype=metric.dtype, device=metric.device), kept_sizes, tau
+    # kept positions are grouped: group g's run of kept_sizes[g] entries
+    group = torch.repeat_interleave(torch.arange(kept_sizes.numel(), device=kept.device), kept_sizes.to(kept.device))
+    m = metric.index_select(0, kept)
+    scale = (tau.index_select(0, group) / m.clamp_min(torch.finfo(m.dtype).tiny)).clamp_min(1.0)
+    return kept, scale, kept_sizes, tau
+
+
+def retained_pairs(kept: torch.Tensor, scale: torch.Tensor, order: torch.Tensor, weight_of_row: torch.Tensor,
+                   k: int, rescale: bool = True):
+    """The retained pairs' maps, from the kept send rows (grouped positions) and their weights.
+
+    Args:
+        kept [P'] int64: kept send rows; scale [P'] float: their unbiased weights; order [P] int64: send row ->
+        pair (pair = token * k + slot); weight_of_row [P]: each send row's gate weight; k: the router's top-k.
+    Returns:
+        kept_pairs [P'] int64 (order[kept]); src [P'] int64 (their tokens); gate [P'] (weight_of_row's dtype);
+        row_weight [P'] (gate * scale, in their promoted dtype; the gate itself if not ``rescale``);
+        kept_row_of_pair [T, k] int64 (pair -> its index in kept, -1 if dropped); pair_weight [T, k]
+        (row_weight by pair, 0 if dropped).
+    """
+    P = order.numel()
+    if P % k:
+        raise ValueError(f"retained_pairs: {P} send rows are not a multiple of k = {k}")
+    kept_pairs = order.index_select(0, kept)
+    gate = weight_of_row.index_select(0, kept)
+    row_weight = gate * scale if rescale else gate
+    kept_row_of_pair = torch.full((P,), -1, dtype=torch.long, device=kept.device).index_copy_(
+        0, kept_pairs, torch.arange(kept.numel(), device=kept.device))
+    pair_weight = row_weight.new_zeros(P).index_copy_(0, kept_pairs, row_weight)
+    return (kept_pairs, torch.div(kept_pairs, k, rounding_mode="floor"), gate, row_weight,
+            kept_row_of_pair.view(-1, k), pair_weight.view(-1, k))
+
+
 def capacity_route(pair_group: torch.Tensor, pair_rank: torch.Tensor, instance_group: torch.Tensor,
                    instance_rank: torch.Tensor, instance_capacity: torch.Tensor) -> torch.Tensor:
     """Assign retained pairs to instances of their expert under per-instance capacities.

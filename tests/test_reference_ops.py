@@ -68,6 +68,59 @@ def test_topk_retention_against_loop(seed):
         start += n
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_priority_sample_against_loop(seed):
+    """Keys metric / (1 - u), the quota's largest kept (ties by position), weights max(1, tau / metric) with tau
+    the group's (q+1)-th largest key (0, so weight 1, where the group is kept whole); u None: top-k, weights 1."""
+    rnd = random.Random(seed)
+    sizes = [rnd.choice([0, 1, 4, 7]) for _ in range(6)]
+    quotas = [rnd.choice([0, 2, 3, 100]) for _ in range(6)]
+    P = sum(sizes)
+    metric = [rnd.choice([0.0, 0.25, 0.5, 2.0]) for _ in range(P)]      # ties and zero metrics
+    u = [rnd.random() for _ in range(P)]
+    m_t, u_t = torch.tensor(metric, dtype=torch.float64), torch.tensor(u, dtype=torch.float64)
+    kept, scale, kept_sizes, tau = ref.priority_sample(m_t, torch.tensor(sizes), torch.tensor(quotas), u_t)
+    keys = [m / (1.0 - v) for m, v in zip(metric, u)]
+    expect_kept, expect_scale, start = [], [], 0
+    for n, q in zip(sizes, quotas):
+        ranked = sorted(range(start, start + n), key=lambda p: (-keys[p], p))
+        t = keys[ranked[q]] if q < n else 0.0
+        for p in sorted(ranked[:q]):
+            expect_kept.append(p)
+            expect_scale.append(max(1.0, t / max(metric[p], torch.finfo(torch.float64).tiny)))
+        start += n
+    assert kept.tolist() == expect_kept and kept_sizes.tolist() == [min(n, q) for n, q in zip(sizes, quotas)]
+    assert scale.tolist() == pytest.approx(expect_scale, rel=1e-12)
+    assert all(math.isfinite(w) and w >= 1.0 for w in scale.tolist())
+    top, ones, _, _ = ref.priority_sample(m_t, torch.tensor(sizes), torch.tensor(quotas))
+    assert top.tolist() == ref.topk_retention(m_t, torch.tensor(sizes), torch.tensor(quotas))[0].tolist()
+    assert ones.tolist() == [1.0] * top.numel()
+
+
+@pytest.mark.parametrize("rescale", [True, False])
+def test_retained_pairs_against_loop(rescale):
+    gen = torch.Generator().manual_seed(3)
+    T, K = 5, 3
+    order = torch.randperm(T * K, generator=gen)                       # send row -> pair
+    weight_of_row = torch.rand(T * K, generator=gen).to(torch.bfloat16)
+    kept = torch.tensor([1, 4, 5, 9, 14])
+    scale = torch.tensor([1.0, 2.5, 1.25, 3.0, 1.0])
+    kept_pairs, src, gate, row_weight, kept_row_of_pair, pair_weight = ref.retained_pairs(
+        kept, scale, order, weight_of_row, K, rescale)
+    assert kept_pairs.tolist() == [int(order[r]) for r in kept] and src.tolist() == [int(order[r]) // K for r in kept]
+    assert gate.dtype == torch.bfloat16 and gate.tolist() == [float(weight_of_row[r]) for r in kept]
+    expected_w = [float(weight_of_row[r]) * (float(s) if rescale else 1.0) for r, s in zip(kept, scale)]
+    assert row_weight.dtype == (torch.float32 if rescale else torch.bfloat16)
+    assert row_weight.tolist() == pytest.approx(expected_w, rel=1e-6)
+    assert kept_row_of_pair.shape == (T, K) and pair_weight.shape == (T, K)
+    for p in range(T * K):
+        i = kept_pairs.tolist().index(p) if p in kept_pairs.tolist() else -1
+        assert kept_row_of_pair.view(-1)[p] == i
+        assert float(pair_weight.view(-1)[p]) == (float(row_weight[i]) if i >= 0 else 0.0)
+    with pytest.raises(ValueError, match="not a multiple of k = 4"):
+        ref.retained_pairs(kept, scale, order, weight_of_row, 4)
+
+
 def test_capacity_route():
     # expert 0: instance 0 on rank 0 (cap 3), instance 1 on rank 1 (cap 1); expert 1: instance 2, cap 0
     out = ref.capacity_route(torch.tensor([0, 0, 0, 0, 1]), torch.tensor([0, 1, 1, 1, 0]),

@@ -21,6 +21,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("h"), pybind11::arg("da"), pybind11::arg("dh"), pybind11::arg("a") = pybind11::none(),
         pybind11::arg("index") = pybind11::none());
   m.def("topk_retention", &lrmoe::topk_retention_op, "quota-aware top-k retention per group");
+  m.def("priority_sample", &lrmoe::priority_sample_op,
+        "priority sampling within quotas: keys metric / (1 - u), kept, kept_sizes, threshold, the kept pairs' weights",
+        pybind11::arg("metric"), pybind11::arg("u"), pybind11::arg("group_sizes"), pybind11::arg("quotas"),
+        pybind11::arg("kept"), pybind11::arg("kept_sizes"), pybind11::arg("threshold"), pybind11::arg("scale"),
+        pybind11::arg("summary"));
+  m.def("retained_pairs", &lrmoe::retained_pairs_op,
+        "the retained pairs' maps: kept_pairs, src, gate, row_weight, kept_row_of_pair, pair_weight");
   m.def("capacity_route", &lrmoe::capacity_route_op, "assign retained pairs to instances under capacities");
   m.def("router_topk", &lrmoe::router_topk_op,
         "the router's top-k math: topk_index, topk_weight, counts, prob_sum from fp32 logits");

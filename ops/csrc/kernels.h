@@ -55,6 +55,18 @@ void swiglu_backward(const void* h, const void* da, DType dtype, int64_t M, int6
 size_t topk_retention(const void* scores, DType stype, int64_t P, const void* group_sizes, IType gtype,
                       const void* quotas, IType qtype, int64_t G, int64_t* kept, int64_t* kept_sizes,
                       void* threshold, int64_t* summary, void* temp, size_t temp_bytes, cudaStream_t stream);
+// Priority sampling (reference.priority_sample): topk_retention over keys metric / (1 - u) (u nullptr: the metric
+// itself), threshold [G] the keys' (q_g+1)-th largest, and scale [P] (the first summary[0] written) each kept
+// pair's weight max(1, tau_g / max(metric_p, FLT_MIN)) (1 without u). float32 throughout.
+size_t priority_sample(const float* metric, const float* u, int64_t P, const int64_t* group_sizes,
+                       const int64_t* quotas, int64_t G, int64_t* kept, int64_t* kept_sizes, float* threshold,
+                       float* scale, int64_t* summary, void* temp, size_t temp_bytes, cudaStream_t stream);
+// The retained pairs' maps (reference.retained_pairs) from kept [n_kept] send rows and scale [n_kept] fp32:
+// kept_pairs, src [n_kept] int64; gate [n_kept] in weight_of_row's dtype; row_weight [n_kept] (fp32 if rescale,
+// else weight_of_row's dtype); kept_row_of_pair [P] int64 (-1: dropped) and pair_weight [P] (row_weight's dtype, 0).
+void retained_pairs(const int64_t* kept, const float* scale, int64_t n_kept, const int64_t* order, int64_t P, int64_t K,
+                    const void* weight_of_row, DType wtype, bool rescale, int64_t* kept_pairs, int64_t* src, void* gate,
+                    void* row_weight, int64_t* kept_row_of_pair, void* pair_weight, cudaStream_t stream);
 // The router's top-k math; see router.cu and ops/reference.py router_topk. logits [T, E] fp32 -> topk_index
 // [T, K] int64, topk_weight [T, K] fp32, counts [E] int64, prob_sum [E] fp32; score_bias [E] fp32 or nullptr.
 // 1 <= K <= E <= kRouterMaxExperts.

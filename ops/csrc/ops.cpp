@@ -241,6 +241,74 @@ void topk_retention_op(const at::Tensor& scores, const at::Tensor& group_sizes, 
   args(temp.data_ptr(), bytes);
 }
 
+void priority_sample_op(const at::Tensor& metric, const c10::optional<at::Tensor>& u, const at::Tensor& group_sizes,
+                        const at::Tensor& quotas, at::Tensor& kept, at::Tensor& kept_sizes, at::Tensor& threshold,
+                        at::Tensor& scale, at::Tensor& summary) {
+  check_cuda(metric, "priority_sample: metric");
+  check_cuda(group_sizes, "priority_sample: group_sizes");
+  check_cuda(quotas, "priority_sample: quotas");
+  LRMOE_CHECK(metric.dim() == 1 && metric.scalar_type() == at::kFloat, "priority_sample: metric must be a float32 [P] "
+              "tensor, got ", metric.scalar_type(), " of shape ", metric.sizes());
+  const int64_t P = metric.numel(), G = group_sizes.numel();
+  if (u.has_value()) {
+    check_cuda(*u, "priority_sample: u");
+    LRMOE_CHECK(u->scalar_type() == at::kFloat && u->sizes() == metric.sizes(), "priority_sample: u must be float32 of "
+                "metric's shape ", metric.sizes(), ", got ", u->scalar_type(), " ", u->sizes());
+  }
+  LRMOE_CHECK(group_sizes.scalar_type() == at::kLong && quotas.scalar_type() == at::kLong,
+              "priority_sample: group_sizes and quotas must be int64");
+  LRMOE_CHECK(quotas.numel() == G, "priority_sample: ", quotas.numel(), " quotas for ", G, " groups");
+  LRMOE_CHECK(P <= kMaxPairs, "priority_sample: at most 2^31-1 pairs, got ", P);
+  check_out(kept, {P}, at::kLong, metric, "priority_sample: kept");
+  check_out(kept_sizes, {G}, at::kLong, metric, "priority_sample: kept_sizes");
+  check_out(threshold, {G}, at::kFloat, metric, "priority_sample: threshold");
+  check_out(scale, {P}, at::kFloat, metric, "priority_sample: scale");
+  check_out(summary, {3}, at::kLong, metric, "priority_sample: summary");
+  const c10::cuda::CUDAGuard guard(metric.device());
+  const float* up = u.has_value() ? u->data_ptr<float>() : nullptr;
+  auto args = [&](void* temp, size_t bytes) {
+    return priority_sample(metric.data_ptr<float>(), up, P, group_sizes.data_ptr<int64_t>(), quotas.data_ptr<int64_t>(),
+                           G, kept.data_ptr<int64_t>(), kept_sizes.data_ptr<int64_t>(), threshold.data_ptr<float>(),
+                           scale.data_ptr<float>(), summary.data_ptr<int64_t>(), temp, bytes, stream());
+  };
+  const size_t bytes = args(nullptr, 0);
+  at::Tensor temp = scratch(bytes, metric);
+  args(temp.data_ptr(), bytes);
+}
+
+void retained_pairs_op(const at::Tensor& kept, const at::Tensor& scale, const at::Tensor& order,
+                       const at::Tensor& weight_of_row, int64_t k, bool rescale, at::Tensor& kept_pairs, at::Tensor& src,
+                       at::Tensor& gate, at::Tensor& row_weight, at::Tensor& kept_row_of_pair, at::Tensor& pair_weight) {
+  const std::pair<const at::Tensor*, const char*> ins[] = {
+      {&kept, "retained_pairs: kept"}, {&scale, "retained_pairs: scale"}, {&order, "retained_pairs: order"},
+      {&weight_of_row, "retained_pairs: weight_of_row"}};
+  for (const auto& [t, name] : ins) {
+    check_cuda(*t, name);
+    LRMOE_CHECK(t->dim() == 1 && t->device() == kept.device(), name, " must be a 1-d tensor on ", kept.device());
+  }
+  const int64_t n = kept.numel(), P = order.numel();
+  LRMOE_CHECK(kept.scalar_type() == at::kLong && order.scalar_type() == at::kLong,
+              "retained_pairs: kept and order must be int64");
+  LRMOE_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == n, "retained_pairs: scale must be float32 with one "
+              "entry per kept row (", n, "), got ", scale.scalar_type(), " ", scale.sizes());
+  LRMOE_CHECK(weight_of_row.numel() == P, "retained_pairs: ", weight_of_row.numel(), " row weights for ", P, " send rows");
+  LRMOE_CHECK(k >= 1 && P % k == 0, "retained_pairs: ", P, " send rows are not a multiple of k = ", k);
+  LRMOE_CHECK(n <= P, "retained_pairs: ", n, " kept rows of ", P);
+  const DType wt = dtype_of(weight_of_row, "retained_pairs: weight_of_row");
+  const at::ScalarType rwt = rescale ? at::kFloat : weight_of_row.scalar_type();
+  check_out(kept_pairs, {n}, at::kLong, kept, "retained_pairs: kept_pairs");
+  check_out(src, {n}, at::kLong, kept, "retained_pairs: src");
+  check_out(gate, {n}, weight_of_row.scalar_type(), kept, "retained_pairs: gate");
+  check_out(row_weight, {n}, rwt, kept, "retained_pairs: row_weight");
+  check_out(kept_row_of_pair, {P / k, k}, at::kLong, kept, "retained_pairs: kept_row_of_pair");
+  check_out(pair_weight, {P / k, k}, rwt, kept, "retained_pairs: pair_weight");
+  const c10::cuda::CUDAGuard guard(kept.device());
+  retained_pairs(kept.data_ptr<int64_t>(), scale.data_ptr<float>(), n, order.data_ptr<int64_t>(), P, k,
+                 weight_of_row.data_ptr(), wt, rescale, kept_pairs.data_ptr<int64_t>(), src.data_ptr<int64_t>(),
+                 gate.data_ptr(), row_weight.data_ptr(), kept_row_of_pair.data_ptr<int64_t>(), pair_weight.data_ptr(),
+                 stream());
+}
+
 void capacity_route_op(const at::Tensor& pair_group, const at::Tensor& pair_rank, const at::Tensor& instance_group,
                        const at::Tensor& instance_rank, const at::Tensor& instance_capacity, at::Tensor& out) {
   const std::pair<const at::Tensor*, const char*> all[] = {

@@ -42,6 +42,12 @@ void swiglu_backward_op(const at::Tensor& h, const at::Tensor& da, at::Tensor& d
                         const c10::optional<at::Tensor>& index);
 void topk_retention_op(const at::Tensor& scores, const at::Tensor& group_sizes, const at::Tensor& quotas,
                        at::Tensor& kept, at::Tensor& kept_sizes, at::Tensor& threshold, at::Tensor& summary);
+void priority_sample_op(const at::Tensor& metric, const c10::optional<at::Tensor>& u, const at::Tensor& group_sizes,
+                        const at::Tensor& quotas, at::Tensor& kept, at::Tensor& kept_sizes, at::Tensor& threshold,
+                        at::Tensor& scale, at::Tensor& summary);
+void retained_pairs_op(const at::Tensor& kept, const at::Tensor& scale, const at::Tensor& order,
+                       const at::Tensor& weight_of_row, int64_t k, bool rescale, at::Tensor& kept_pairs, at::Tensor& src,
+                       at::Tensor& gate, at::Tensor& row_weight, at::Tensor& kept_row_of_pair, at::Tensor& pair_weight);
 void capacity_route_op(const at::Tensor& pair_group, const at::Tensor& pair_rank, const at::Tensor& instance_group,
                        const at::Tensor& instance_rank, const at::Tensor& instance_capacity, at::Tensor& out);
 void router_topk_op(const at::Tensor& logits, int64_t k, bool use_sigmoid, bool norm_topk_prob,

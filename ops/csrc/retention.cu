@@ -6,6 +6,7 @@
 #include <thrust/iterator/counting_iterator.h>
 
 #include <algorithm>
+#include <cfloat>
 
 #include "device_utils.cuh"
 
@@ -53,14 +54,23 @@ __global__ void retention_groups_kernel(const int64_t* __restrict__ group_sizes,
   if (blockIdx.x == 0 && threadIdx.x == 0) summary[1] = offsets[G];
 }
 
+// Pair p's sort score: scores[p], or with u (priority sampling; float scores) scores[p] / (1 - u[p]), the same
+// IEEE operations as the reference's, so the same bits.
 template <typename score_t>
-__global__ void retention_keys_kernel(const score_t* __restrict__ scores, const int64_t* __restrict__ offsets, int64_t G,
+__device__ __forceinline__ float key_at(const score_t* scores, const float* u, int64_t p) {
+  const float s = to_float(scores[p]);
+  return u == nullptr ? s : s / (1.0f - u[p]);
+}
+
+template <typename score_t>
+__global__ void retention_keys_kernel(const score_t* __restrict__ scores, const float* __restrict__ u,
+                                      const int64_t* __restrict__ offsets, int64_t G,
                                       int64_t P, uint64_t* __restrict__ keys, int32_t* __restrict__ positions,
                                       uint8_t* __restrict__ flags, score_t* __restrict__ threshold) {
   for (int64_t p = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; p < P; p += (int64_t)gridDim.x * blockDim.x) {
     const int64_t g = group_of_position(offsets, G, p);
     // ascending (group, score descending); stable, so equal scores stay in position order
-    keys[p] = (uint64_t(g) << 32) | uint64_t(~orderable(to_float(scores[p])));
+    keys[p] = (uint64_t(g) << 32) | uint64_t(~orderable(key_at(scores, u, p)));
     positions[p] = (int32_t)p;
     flags[p] = 0;
   }
@@ -70,16 +80,57 @@ __global__ void retention_keys_kernel(const score_t* __restrict__ scores, const 
 
 template <typename score_t>
 __global__ void retention_mark_kernel(const uint64_t* __restrict__ sorted_keys, const int32_t* __restrict__ sorted_pos,
-                                      const score_t* __restrict__ scores, const int64_t* __restrict__ offsets,
-                                      const int64_t* __restrict__ quotas, int64_t G, int64_t P,
-                                      uint8_t* __restrict__ flags, score_t* __restrict__ threshold) {
+                                      const score_t* __restrict__ scores, const float* __restrict__ u,
+                                      const int64_t* __restrict__ offsets, const int64_t* __restrict__ quotas, int64_t G,
+                                      int64_t P, uint8_t* __restrict__ flags, score_t* __restrict__ threshold) {
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < P; i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t g = int64_t(sorted_keys[i] >> 32);
     if (g >= G) continue;  // positions past sum(group_sizes): reported by the caller
     const int64_t rank = i - offsets[g], q = max(int64_t(0), quotas[g]);
     const int32_t p = sorted_pos[i];
     if (rank < q) flags[p] = 1;
-    else if (rank == q) threshold[g] = scores[p];  // the (q+1)-th largest: one writer per group
+    // the (q+1)-th largest: one writer per group (a score's float round trip is exact)
+    else if (rank == q) threshold[g] = from_float<score_t>(key_at(scores, u, p));
+  }
+}
+
+// Priority sampling's weights: kept entry i (of summary[0]) at grouped position p in group g gets
+// max(1, tau_g / max(metric_p, FLT_MIN)) (as the reference: tau_g = 0, a whole group kept, gives 1), or 1 without u.
+__global__ void retention_scale_kernel(const int64_t* __restrict__ kept, const int64_t* __restrict__ summary,
+                                       const float* __restrict__ metric, const float* __restrict__ u,
+                                       const int64_t* __restrict__ offsets, int64_t G, const float* __restrict__ threshold,
+                                       int64_t P, float* __restrict__ scale) {
+  const int64_t n = summary[0];
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < P && i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    if (u == nullptr) { scale[i] = 1.0f; continue; }
+    const int64_t p = kept[i];
+    const float tau = threshold[group_of_position(offsets, G, p)];
+    scale[i] = fmaxf(tau / fmaxf(metric[p], FLT_MIN), 1.0f);
+  }
+}
+
+// The retained pairs' maps (reference.retained_pairs): kept_row_of_pair and pair_weight cleared first (-1, 0).
+template <typename w_t, typename rw_t, bool kRescale>
+__global__ void retained_pairs_kernel(const int64_t* __restrict__ kept, const float* __restrict__ scale, int64_t n,
+                                      const int64_t* __restrict__ order, int64_t P, int64_t K,
+                                      const w_t* __restrict__ weight_of_row, int64_t* __restrict__ kept_pairs,
+                                      int64_t* __restrict__ src, w_t* __restrict__ gate, rw_t* __restrict__ row_weight,
+                                      int64_t* __restrict__ kept_row_of_pair, rw_t* __restrict__ pair_weight) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = kept[i];
+    LRMOE_DEVICE_ASSERT(r >= 0 && r < P, "retained_pairs: kept send rows must be in [0, P)");
+    const int64_t p = order[r];
+    LRMOE_DEVICE_ASSERT(p >= 0 && p < P, "retained_pairs: order must map send rows to pairs in [0, P)");
+    const w_t g = weight_of_row[r];
+    rw_t w;
+    if constexpr (kRescale) w = to_float(g) * scale[i];  // the promoted (fp32) product, as torch's gate * scale
+    else w = g;
+    kept_pairs[i] = p;
+    src[i] = p / K;
+    gate[i] = g;
+    row_weight[i] = w;
+    kept_row_of_pair[p] = i;
+    pair_weight[p] = w;
   }
 }
 
@@ -233,10 +284,14 @@ int grid_for(int64_t n, int threads = 256) {
 
 }  // namespace
 
-size_t topk_retention(const void* scores, DType stype, int64_t P, const void* group_sizes, IType gtype,
-                      const void* quotas, IType qtype, int64_t G, int64_t* kept, int64_t* kept_sizes,
-                      void* threshold, int64_t* summary, void* temp, size_t temp_bytes, cudaStream_t stream) {
+namespace {
+// topk_retention, and with scale (float scores) priority sampling: keys from u, then the kept pairs' weights.
+size_t topk_impl(const void* scores, DType stype, const float* u, int64_t P, const void* group_sizes, IType gtype,
+                 const void* quotas, IType qtype, int64_t G, int64_t* kept, int64_t* kept_sizes, void* threshold,
+                 float* scale, int64_t* summary, void* temp, size_t temp_bytes, cudaStream_t stream) {
   if (gtype != IType::kI64 || qtype != IType::kI64) throw std::runtime_error("topk_retention: int64 sizes expected");
+  if ((u != nullptr || scale != nullptr) && stype != DType::kF32)
+    throw std::runtime_error("priority_sample: float32 metric expected");
   Scratch sc(temp);
   int64_t* offsets = sc.take<int64_t>(G + 1);
   uint64_t* keys_in = sc.take<uint64_t>(P);
@@ -268,17 +323,61 @@ size_t topk_retention(const void* scores, DType stype, int64_t P, const void* gr
     using score_t = decltype(tag);
     const auto* sp = static_cast<const score_t*>(scores);
     auto* th = static_cast<score_t*>(threshold);
-    retention_keys_kernel<score_t><<<grid_for(std::max(P, G)), 256, 0, stream>>>(sp, offsets, G, P, keys_in, pos_in, flags, th);
+    retention_keys_kernel<score_t><<<grid_for(std::max(P, G)), 256, 0, stream>>>(sp, u, offsets, G, P, keys_in, pos_in,
+                                                                                flags, th);
     LRMOE_LAUNCH_CHECK("topk_retention: keys");
     if (P == 0) return;
     size_t bytes = sort_bytes;
     LRMOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(cub_temp, bytes, keys_in, keys_out, pos_in, pos_out, P, 0, end_bit, stream));
-    retention_mark_kernel<score_t><<<grid_for(P), 256, 0, stream>>>(keys_out, pos_out, sp, offsets, qs, G, P, flags, th);
+    retention_mark_kernel<score_t><<<grid_for(P), 256, 0, stream>>>(keys_out, pos_out, sp, u, offsets, qs, G, P, flags,
+                                                                    th);
     LRMOE_LAUNCH_CHECK("topk_retention: mark");
     bytes = select_bytes;
     LRMOE_CUDA_CHECK(cub::DeviceSelect::Flagged(cub_temp, bytes, iota, flags, kept, summary, P, stream));
+    if (scale != nullptr) {
+      retention_scale_kernel<<<grid_for(P), 256, 0, stream>>>(kept, summary, static_cast<const float*>(scores), u,
+                                                              offsets, G, static_cast<const float*>(threshold), P, scale);
+      LRMOE_LAUNCH_CHECK("priority_sample: scale");
+    }
   });
   return sc.used;
+}
+}  // namespace
+
+size_t topk_retention(const void* scores, DType stype, int64_t P, const void* group_sizes, IType gtype,
+                      const void* quotas, IType qtype, int64_t G, int64_t* kept, int64_t* kept_sizes,
+                      void* threshold, int64_t* summary, void* temp, size_t temp_bytes, cudaStream_t stream) {
+  return topk_impl(scores, stype, nullptr, P, group_sizes, gtype, quotas, qtype, G, kept, kept_sizes, threshold, nullptr,
+                   summary, temp, temp_bytes, stream);
+}
+
+size_t priority_sample(const float* metric, const float* u, int64_t P, const int64_t* group_sizes,
+                       const int64_t* quotas, int64_t G, int64_t* kept, int64_t* kept_sizes, float* threshold,
+                       float* scale, int64_t* summary, void* temp, size_t temp_bytes, cudaStream_t stream) {
+  return topk_impl(metric, DType::kF32, u, P, group_sizes, IType::kI64, quotas, IType::kI64, G, kept, kept_sizes,
+                   threshold, scale, summary, temp, temp_bytes, stream);
+}
+
+void retained_pairs(const int64_t* kept, const float* scale, int64_t n_kept, const int64_t* order, int64_t P, int64_t K,
+                    const void* weight_of_row, DType wtype, bool rescale, int64_t* kept_pairs, int64_t* src, void* gate,
+                    void* row_weight, int64_t* kept_row_of_pair, void* pair_weight, cudaStream_t stream) {
+  const size_t rw_bytes = rescale ? sizeof(float) : (wtype == DType::kF32 ? 4 : 2);
+  LRMOE_CUDA_CHECK(cudaMemsetAsync(kept_row_of_pair, 0xff, P * sizeof(int64_t), stream));  // all bits set: -1
+  LRMOE_CUDA_CHECK(cudaMemsetAsync(pair_weight, 0, P * rw_bytes, stream));
+  if (n_kept == 0) return;
+  dispatch_float(wtype, [&](auto tag) {
+    using w_t = decltype(tag);
+    const auto* w = static_cast<const w_t*>(weight_of_row);
+    if (rescale)
+      retained_pairs_kernel<w_t, float, true><<<grid_for(n_kept), 256, 0, stream>>>(
+          kept, scale, n_kept, order, P, K, w, kept_pairs, src, static_cast<w_t*>(gate), static_cast<float*>(row_weight),
+          kept_row_of_pair, static_cast<float*>(pair_weight));
+    else
+      retained_pairs_kernel<w_t, w_t, false><<<grid_for(n_kept), 256, 0, stream>>>(
+          kept, scale, n_kept, order, P, K, w, kept_pairs, src, static_cast<w_t*>(gate), static_cast<w_t*>(row_weight),
+          kept_row_of_pair, static_cast<w_t*>(pair_weight));
+  });
+  LRMOE_LAUNCH_CHECK("retained_pairs");
 }
 
 size_t capacity_route(const void* pair_group, const void* pair_rank, IType ptype, int64_t P, const void* instance_group,

@@ -3,6 +3,7 @@ import itertools
 
 import pytest
 import torch
+from _retention_cases import SPREADS, groups_and_quotas
 
 from lrmoe_ds import ops
 from lrmoe_ds.ops import reference
@@ -12,28 +13,11 @@ pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def _case(G, how, gen):
-    if how == "uniform":
-        sizes = torch.randint(0, 300, (G,), generator=gen)
-    elif how == "empty_and_hot":  # most groups empty, one hot
-        sizes = torch.zeros(G, dtype=torch.long)
-        sizes[int(torch.randint(0, G, (1,), generator=gen))] = 20000
-        sizes[: G // 3] = torch.randint(0, 3, (G // 3,), generator=gen)
-    else:  # "all_empty"
-        sizes = torch.zeros(G, dtype=torch.long)
-    # quotas: 0, < n, = n, > n, mixed
-    q = (sizes.double() * torch.rand(G, generator=gen) * 1.3).long()
-    q[::5] = 0
-    q[1::7] = sizes[1::7]
-    q[2::7] = sizes[2::7] + 5
-    return sizes, q
-
-
 @pytest.mark.parametrize("G,how,dtype,ties", list(itertools.product(
-    [1, 8, 128], ["uniform", "empty_and_hot", "all_empty"], DTYPES, ["few", "many"])))
+    [1, 8, 128], SPREADS, DTYPES, ["few", "many"])))
 def test_matches_reference(ext, G, how, dtype, ties):
     gen = torch.Generator().manual_seed(G * 5 + len(how))
-    sizes, q = _case(G, how, gen)
+    sizes, q = groups_and_quotas(G, how, gen)
     P = int(sizes.sum())
     if ties == "many":  # a handful of distinct values, so every group has long runs of equal scores
         scores = torch.randint(0, 4, (P,), generator=gen).to(dtype)
