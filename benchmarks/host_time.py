@@ -8,7 +8,7 @@ at a small token count (default 256) the GPU is idle most of the step, so forwar
 to the step's wall time, and the anchor rows show where the floor lies. Then micro-timings (host
 microseconds per call, no synchronisation inside the timed loop) of the router's logits GEMM in three
 forms, the wgrad gradients' split (unbind vs the ops' split_groups), one grouped GEMM call over E
-groups, and the autograd engine's AccumulateGrad of 2E expert parameters (2 E leaves vs 2); and a
+groups (E weight tensors, and one stacked tensor), and the autograd engine's AccumulateGrad of 2E expert parameters (2 E leaves vs 2); and a
 cProfile of each LRMoE row's forward (the functions with the most own and cumulative host time, and
 what the layer's forward functions call) and of its backward (run on the calling thread for it).
 
@@ -134,13 +134,16 @@ def micro_rows(H, Fh, E, k, tokens):
     sizes = torch.full((E,), tokens * k // E, device=dev, dtype=torch.long)
     sizes[0] += tokens * k - int(sizes.sum())
     w1 = [torch.randn(2 * Fh, H, device=dev, dtype=bf) for _ in range(E)]
+    stacked_w1 = torch.stack(w1)
     out = [("router logits: torch.mm(x, wg^T, out_dtype=float32)", host_us(lambda: torch.mm(x, wg.t(), out_dtype=torch.float32))),
            ("router logits: bf16 torch.mm(x, wg^T)", host_us(lambda: torch.mm(x, wg.t()))),
            ("router logits: F.linear on fp32 copies", host_us(lambda: F.linear(x.float(), wg.float()))),
            (f"split a [{E}, {2 * Fh}, {H}] gradient buffer: unbind(0)", host_us(lambda: buf.unbind(0))),
            (f"split a [{E}, {2 * Fh}, {H}] gradient buffer: ops split_groups", host_us(lambda: ext.split_groups(buf))),
            (f"one grouped GEMM call (forward, {E} groups, {tokens * k} rows)",
-            host_us(lambda: ops.grouped_linear(rows, w1, sizes)))]
+            host_us(lambda: ops.grouped_linear(rows, w1, sizes))),
+           (f"the same with the weights as one stacked [{E}, {2 * Fh}, {H}] tensor (how the layer passes them)",
+            host_us(lambda: ops.grouped_linear(rows, stacked_w1, sizes)))]
     for n in (2 * E, 2):
         params = [torch.nn.Parameter(torch.zeros(2 * Fh, H, device=dev, dtype=bf)) for _ in range(n)]
         grads_of = torch.empty(n, 2 * Fh, H, device=dev, dtype=bf)

@@ -76,10 +76,9 @@ class GELUExpert(nn.Module):
 EXPERT_TYPES = {"swiglu": SwiGLUExpert, "gelu": GELUExpert}
 
 
-def mlp_forward(x: torch.Tensor, w1: Sequence[torch.Tensor], w2: Sequence[torch.Tensor], expert_type,
-                group_sizes: torch.Tensor):
-    """y_g = W2_g act(W1_g x_g) over groups of rows, ``expert_type.act`` the activation. Returns (h, y):
-    pre-activations and outputs."""
+def mlp_forward(x: torch.Tensor, w1, w2, expert_type, group_sizes: torch.Tensor):
+    """y_g = W2_g act(W1_g x_g) over groups of rows, ``expert_type.act`` the activation; w1, w2 each projection's
+    weights, stacked [G, N, K] or G tensors [N, K]. Returns (h, y): pre-activations and outputs."""
     h = ops.grouped_linear(x, w1, group_sizes)
     return h, ops.grouped_linear(expert_type.act(h), w2, group_sizes)
 
@@ -100,7 +99,7 @@ class BackwardRows:
     h_index: Optional[torch.Tensor] = None
 
 
-def mlp_backward(rows: BackwardRows, w1: Sequence[torch.Tensor], w2: Sequence[torch.Tensor], expert_type,
+def mlp_backward(rows: BackwardRows, w1, w2, expert_type,
                  group_sizes: torch.Tensor, want_output_dot: bool = False):
     """The backward of :func:`mlp_forward` over the rows given (the retained ones).
 
@@ -132,7 +131,7 @@ def mlp_backward(rows: BackwardRows, w1: Sequence[torch.Tensor], w2: Sequence[to
 def _stacked_wgrad(dy: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     """dW [G, N, K] with dW_g = dy_g^T x_g, written by the grouped GEMM into one buffer (empty groups: zeros)."""
     grad = dy.new_empty(group_sizes.numel(), dy.shape[1], x.shape[1])
-    ops.grouped_linear_wgrad(dy, x, group_sizes, out=ops.split_groups(grad))
+    ops.grouped_linear_wgrad(dy, x, group_sizes, out=grad)
     return grad
 
 
@@ -163,7 +162,6 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.num_local_experts, self.first_global_expert = num_local_experts, first_global_expert
         self.grouped = type(expert) in EXPERT_TYPES.values()
-        self._views = None
         if self.grouped:
             self.expert_type = type(expert)
             ws = [w.detach() for w in expert.projections()]
@@ -198,19 +196,11 @@ class GroupedExperts(nn.Module):
                 for W, name in zip((stacked1, stacked2), self.checkpoint_names()) for i in range(W.shape[0])}
 
     def projections(self):
-        """(w1, w2, expert type) of the built-in experts, for the grouped GEMMs: w1 and w2 are G plain
-        tensors (no autograd) viewing the stacked parameters' slices. Cached while the parameters keep
-        their storage (the cache holds it, so a new storage never has the old address); DeepSpeed's
-        optimizers re-point ``param.data`` into their flat buffers, and a conversion makes new storage."""
-        W1, W2 = self.weight1, self.weight2
-        key = (W1.data_ptr(), W2.data_ptr(), W1.shape, W2.shape, W1.dtype)
-        if self._views is None or self._views[0] != key:
-            self._views = (key, tuple(ops.split_groups(W1)), tuple(ops.split_groups(W2)))
-        return self._views[1], self._views[2], self.expert_type
-
-    def _apply(self, fn, recurse=True):
-        self._views = None  # dropped before a conversion, so that the old storage can be freed
-        return super()._apply(fn, recurse)
+        """(w1, w2, expert type) of the built-in experts, for the grouped GEMMs: w1 [G, N1, H] and w2 [G, H, F],
+        the stacked parameters detached (no autograd; taken fresh each call, so DeepSpeed's optimizers may
+        re-point ``param.data`` into their flat buffers). The grouped GEMMs step through a stacked tensor
+        themselves: no tensor per expert is made."""
+        return self.weight1.detach(), self.weight2.detach(), self.expert_type
 
     def forward(self, x: torch.Tensor, group_sizes_host: Sequence[int]) -> torch.Tensor:
         """Any expert module, in a per-expert loop: x [M, H] rows grouped by local expert (exact)."""

@@ -80,7 +80,7 @@ class ExpertWeights(torch.autograd.Function):
 class RoutedMLP(torch.autograd.Function):
     """out [T, H] = sum_k topk_weight[t, k] * MLP_{e(t,k)}(x_t), over an expert-parallel group.
 
-    The expert weights come as plain arguments: w1, w2 tuples of per-expert tensors for the GEMMs, and
+    The expert weights come as plain arguments: w1, w2 the stacked weights (detached) for the GEMMs, and
     ``stacked`` (W1, W2), the parameters they view, not as autograd inputs: the stacked gradients go
     through ``handoff`` to the :class:`ExpertWeights` node that made ``weights_token`` (None where no
     expert weight needs a gradient)."""

@@ -140,20 +140,22 @@ def swiglu_backward(h: torch.Tensor, da: torch.Tensor, inplace: bool = False, wi
 
 def grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], group_sizes: torch.Tensor,
                    backend: Optional[str] = None) -> torch.Tensor:
-    """Segmented GEMM ``out_g = x_g W_g^T``: x [M, K], G weights [N, K], group_sizes [G] -> [M, N]."""
+    """Segmented GEMM ``out_g = x_g W_g^T``: x [M, K], G weights [N, K] (or one stacked [G, N, K] tensor, which the
+    CUDA op takes without a tensor per group crossing from Python), group_sizes [G] -> [M, N]."""
     return _select("grouped_linear", backend, x)(x, weights, group_sizes)
 
 
 def grouped_linear_dgrad(dy: torch.Tensor, weights: Sequence[torch.Tensor], group_sizes: torch.Tensor,
                          backend: Optional[str] = None) -> torch.Tensor:
-    """Segmented GEMM dgrad ``dx_g = dy_g W_g``: dy [M, N], G weights [N, K] -> [M, K]."""
+    """Segmented GEMM dgrad ``dx_g = dy_g W_g``: dy [M, N], G weights [N, K] (or stacked [G, N, K]) -> [M, K]."""
     return _select("grouped_linear_dgrad", backend, dy)(dy, weights, group_sizes)
 
 
 def grouped_linear_wgrad(dy: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor,
                          out: Optional[Sequence[torch.Tensor]] = None, accumulate: bool = False,
                          backend: Optional[str] = None):
-    """Segmented GEMM wgrad ``dW_g = dy_g^T x_g`` into G tensors [N, K] (``out``, optionally accumulated)."""
+    """Segmented GEMM wgrad ``dW_g = dy_g^T x_g`` into G tensors [N, K] or one stacked [G, N, K] (``out``,
+    optionally accumulated)."""
     return _select("grouped_linear_wgrad", backend, dy)(dy, x, group_sizes, out=out, accumulate=accumulate)
 
 

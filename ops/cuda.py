@@ -249,11 +249,17 @@ def router_topk_backward(logits: torch.Tensor, topk_index: torch.Tensor, d_topk_
 _FWD, _DGRAD, _WGRAD = 0, 1, 2
 
 
+def _groups(tensors):
+    """The extension's group tensors: a stacked [G, N, K] tensor goes as one (the extension steps through it), else
+    the G tensors themselves."""
+    return [tensors] if isinstance(tensors, torch.Tensor) else tensors
+
+
 def grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], group_sizes: torch.Tensor) -> torch.Tensor:
     reference._check_groups(x, weights, group_sizes, dim=1)
     x = x.contiguous()
     out = x.new_empty(x.shape[0], weights[0].shape[0])
-    load().grouped_gemm(_FWD, x, None, weights, _long_on(group_sizes, x.device), out, False)
+    load().grouped_gemm(_FWD, x, None, _groups(weights), _long_on(group_sizes, x.device), out, False)
     return out
 
 
@@ -261,7 +267,7 @@ def grouped_linear_dgrad(dy: torch.Tensor, weights: Sequence[torch.Tensor], grou
     reference._check_groups(dy, weights, group_sizes, dim=0)
     dy = dy.contiguous()
     out = dy.new_empty(dy.shape[0], weights[0].shape[1])
-    load().grouped_gemm(_DGRAD, dy, None, weights, _long_on(group_sizes, dy.device), out, False)
+    load().grouped_gemm(_DGRAD, dy, None, _groups(weights), _long_on(group_sizes, dy.device), out, False)
     return out
 
 
@@ -279,9 +285,9 @@ def grouped_linear_wgrad(dy: torch.Tensor, x: torch.Tensor, group_sizes: torch.T
     elif len(out) != G:
         raise ValueError(f"grouped_linear_wgrad: {len(out)} output tensors for {G} groups")
     # the extension checks every output's shape, dtype, device and contiguity
-    load().grouped_gemm(_WGRAD, dy.contiguous(), x.contiguous(), out, _long_on(group_sizes, dy.device), None,
+    load().grouped_gemm(_WGRAD, dy.contiguous(), x.contiguous(), _groups(out), _long_on(group_sizes, dy.device), None,
                         bool(accumulate))
-    return list(out)
+    return out if isinstance(out, torch.Tensor) else list(out)
 
 
 def split_groups(buffer: torch.Tensor):

@@ -174,9 +174,9 @@ def grouped_linear_wgrad(dy: torch.Tensor, x: torch.Tensor, group_sizes: torch.T
                          out: Optional[Sequence[torch.Tensor]] = None, accumulate: bool = False):
     """Segmented GEMM wgrad (variable reduction size): dW_g = dy_g^T @ x_g.
 
-    dy [M, N], x [M, K], group_sizes [G]. Writes into ``out`` (G tensors [N, K]) when given,
-    adding to what is there when ``accumulate``; an empty group gives zeros (or leaves ``out``
-    unchanged when accumulating). Returns the G gradients.
+    dy [M, N], x [M, K], group_sizes [G]. Writes into ``out`` (G tensors [N, K], or one stacked [G, N, K])
+    when given, adding to what is there when ``accumulate``; an empty group gives zeros (or leaves ``out``
+    unchanged when accumulating). Returns the G gradients (``out`` itself when it is one stacked tensor).
     """
     if dy.shape[0] != x.shape[0]:
         raise ValueError(f"grouped_linear_wgrad: dy has {dy.shape[0]} rows but x has {x.shape[0]}")
@@ -191,7 +191,7 @@ def grouped_linear_wgrad(dy: torch.Tensor, x: torch.Tensor, group_sizes: torch.T
             out[g].add_(grad)
         else:
             out[g].copy_(grad)
-    return list(out)
+    return out if isinstance(out, torch.Tensor) else list(out)
 
 
 def split_groups(buffer: torch.Tensor):

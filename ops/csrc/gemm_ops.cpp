@@ -42,7 +42,22 @@ bool grouped_gemm_op(int64_t pass_id, const at::Tensor& a, const c10::optional<a
   LRMOE_CHECK(a.is_cuda(), op, ": input must be a CUDA tensor, got one on ", a.device());
   LRMOE_CHECK(a.dim() == 2, op, ": input must be 2-d, got shape ", a.sizes());
   const DType dt = gemm_dtype(a, op);
-  const int64_t G = (int64_t)group_tensors.size(), M = a.size(0);
+  // One stacked [G, N, K] tensor (a layer's stacked weights or gradient buffer) instead of G [N, K] tensors: the
+  // pointers step along its first dimension, without G tensors crossing from Python (host time per call).
+  const bool stacked = group_tensors.size() == 1 && group_tensors[0].dim() == 3;
+  at::Tensor stack;  // the stacked tensor, made contiguous per group (weights only) and alive until the GEMM is queued
+  if (stacked) {
+    stack = group_tensors[0];
+    const bool slices_contiguous = stack.size(2) <= 1 || stack.stride(2) == 1;
+    const bool rows_contiguous = stack.size(1) <= 1 || stack.stride(1) == stack.size(2);
+    if (!(slices_contiguous && rows_contiguous)) {
+      LRMOE_CHECK(pass != GemmPass::kWgrad, op, ": each group of the stacked gradients must be contiguous");
+      stack = stack.contiguous();
+    }
+  }
+  const at::Tensor& first = stacked ? stack : group_tensors[0];
+  const int64_t G = stacked ? stack.size(0) : (int64_t)group_tensors.size(), M = a.size(0);
+  const int64_t dims = stacked ? 3 : 2, n_dim = dims - 2, k_dim = dims - 1;
   LRMOE_CHECK(group_sizes.is_cuda() && group_sizes.device() == a.device() && group_sizes.scalar_type() == at::kLong &&
                   group_sizes.dim() == 1 && group_sizes.is_contiguous(),
               op, ": group_sizes must be a contiguous int64 [G] tensor on ", a.device());
@@ -58,15 +73,15 @@ bool grouped_gemm_op(int64_t pass_id, const at::Tensor& a, const c10::optional<a
     K = b->dim() == 2 ? b->size(1) : -1;
     check_matrix(*b, M, K, a.scalar_type(), a, [&] { return opn + ": x"; });
     b_ptr = b->data_ptr();
-    out_dt = gemm_dtype(group_tensors[0], op);
+    out_dt = gemm_dtype(first, op);
     LRMOE_CHECK(out_dt == dt || out_dt == DType::kF32, op, ": gradients must be ", a.scalar_type(),
-                " or float32, got ", group_tensors[0].scalar_type());
+                " or float32, got ", first.scalar_type());
   } else {
-    N = group_tensors[0].dim() == 2 ? group_tensors[0].size(0) : -1;
-    K = group_tensors[0].dim() == 2 ? group_tensors[0].size(1) : -1;
-    LRMOE_CHECK(N >= 0, op, ": weights must be [N, K], got shape ", group_tensors[0].sizes());
+    N = first.dim() == dims ? first.size(n_dim) : -1;
+    K = first.dim() == dims ? first.size(k_dim) : -1;
+    LRMOE_CHECK(N >= 0, op, ": weights must be [N, K], got shape ", first.sizes());
     LRMOE_CHECK(a.size(1) == (pass == GemmPass::kFwd ? K : N), op, ": input of shape ", a.sizes(),
-                " does not match weights of shape ", group_tensors[0].sizes());
+                " does not match weights of shape ", first.sizes());
     LRMOE_CHECK(out.has_value(), op, ": out is missing");
     check_matrix(*out, M, pass == GemmPass::kFwd ? N : K, a.scalar_type(), a, [&] { return opn + ": out"; });
     out_ptr = out->data_ptr();
@@ -74,7 +89,17 @@ bool grouped_gemm_op(int64_t pass_id, const at::Tensor& a, const c10::optional<a
   LRMOE_CHECK(a.is_contiguous(), op, ": input must be contiguous");
   std::vector<const void*> ptrs(G);
   std::vector<at::Tensor> copies;  // contiguous copies of strided weights, alive until the GEMM is queued
-  for (int64_t g = 0; g < G; ++g) {
+  if (stacked) {
+    const at::ScalarType want = pass == GemmPass::kWgrad ? stack.scalar_type() : a.scalar_type();
+    LRMOE_CHECK(stack.size(1) == N && stack.size(2) == K && stack.scalar_type() == want,
+                opn + (pass == GemmPass::kWgrad ? ": gradients" : ": weights"), " must be [", G, ", ", N, ", ", K,
+                "] ", want, ", got ", stack.scalar_type(), " ", stack.sizes());
+    LRMOE_CHECK(stack.device() == a.device(), op, ": stacked tensor is on ", stack.device(), ", not on ", a.device());
+    auto* base = static_cast<char*>(stack.data_ptr());
+    const int64_t step = stack.stride(0) * (int64_t)stack.element_size();
+    for (int64_t g = 0; g < G; ++g) ptrs[g] = base + g * step;
+  }
+  for (int64_t g = 0; g < (stacked ? 0 : G); ++g) {
     const at::Tensor* t = &group_tensors[g];
     if (pass != GemmPass::kWgrad && !t->is_contiguous()) {  // gradients are written: they must be contiguous
       copies.push_back(t->contiguous());

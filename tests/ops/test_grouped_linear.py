@@ -95,3 +95,24 @@ def test_dgrad_at_glm_down_width_matches_reference(ext, rel_fro, monkeypatch):
     out = ops.grouped_linear_dgrad(dy.cuda(), [w.cuda() for w in ws], sizes.cuda(), backend="cuda")
     ref = reference.grouped_linear_dgrad(dy.double(), [w.double() for w in ws], sizes)
     assert rel_fro(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("shape,dtype,G", [((64, 128), torch.bfloat16, 8), ((13, 7), torch.float32, 8),
+                                           ((64, 128), torch.bfloat16, 300)])
+def test_stacked_weights_are_the_per_group_tensors(ext, shape, dtype, G):
+    """Weights as one stacked [G, N, K] tensor (how a layer holds them; here strided along G, as a view of a larger
+    buffer, and with transposed slices, which are copied first) give the per-group tensors' result bit for bit."""
+    N, K = shape
+    gen = torch.Generator().manual_seed(G + N)
+    sizes = group_sizes(G, "with_empty", gen)
+    x = torch.randn(int(sizes.sum()), K, generator=gen).to(dtype).cuda()
+    stacked = torch.randn(G, N + 3, K, generator=gen).to(dtype).cuda()[:, :N]
+    sc = sizes.cuda()
+    expected = ops.grouped_linear(x, list(stacked.unbind(0)), sc, backend="cuda")
+    assert torch.equal(ops.grouped_linear(x, stacked, sc, backend="cuda"), expected)
+    transposed_slices = stacked.transpose(1, 2).contiguous().transpose(1, 2)
+    assert torch.equal(ops.grouped_linear(x, transposed_slices, sc, backend="cuda"), expected)
+    ref = reference.grouped_linear(x.cpu().double(), stacked.cpu().double(), sizes)
+    torch.testing.assert_close(ref, reference.grouped_linear(x.cpu().double(), list(stacked.cpu().double()), sizes))
+    with pytest.raises(RuntimeError, match="weights must be"):
+        ops.grouped_linear(x, stacked.double(), sc, backend="cuda")

@@ -35,3 +35,20 @@ def test_bad_input(ext):
     ws = [torch.randn(32, 16, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     with pytest.raises(ValueError, match="does not match"):
         ops.grouped_linear_dgrad(dy[:, :16].contiguous(), ws, torch.tensor([4, 4], device="cuda"), backend="cuda")
+
+
+@pytest.mark.parametrize("shape,dtype,G", [((64, 128), torch.bfloat16, 8), ((13, 7), torch.float32, 8),
+                                           ((64, 128), torch.bfloat16, 300)])
+def test_stacked_weights_are_the_per_group_tensors(ext, shape, dtype, G):
+    """Weights as one stacked [G, N, K] tensor (strided along G; transposed slices are copied first) give the
+    per-group tensors' dgrad bit for bit."""
+    N, K = shape
+    gen = torch.Generator().manual_seed(G + K)
+    sizes = group_sizes(G, "ragged", gen)
+    dy = torch.randn(int(sizes.sum()), N, generator=gen).to(dtype).cuda()
+    stacked = torch.randn(G, N + 5, K, generator=gen).to(dtype).cuda()[:, 5:]
+    sc = sizes.cuda()
+    expected = ops.grouped_linear_dgrad(dy, list(stacked.unbind(0)), sc, backend="cuda")
+    assert torch.equal(ops.grouped_linear_dgrad(dy, stacked, sc, backend="cuda"), expected)
+    transposed_slices = stacked.transpose(1, 2).contiguous().transpose(1, 2)
+    assert torch.equal(ops.grouped_linear_dgrad(dy, transposed_slices, sc, backend="cuda"), expected)

@@ -102,3 +102,29 @@ def test_split_groups(ext):
     assert ext.split_groups(torch.empty(0, 3, device="cuda")) == []
     with pytest.raises(RuntimeError, match="split_groups: buffer must be contiguous"):
         ext.split_groups(buf.transpose(1, 2))
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("shape,dtype,G", [((64, 128), torch.bfloat16, 8), ((13, 7), torch.float32, 8),
+                                           ((64, 128), torch.bfloat16, 300)])
+def test_stacked_gradients_are_the_per_group_tensors(ext, shape, dtype, G, accumulate):
+    """Gradients written into one stacked [G, N, K] buffer (how a layer's backward holds them; here strided along
+    G) are the per-group tensors' bit for bit, overwritten or accumulated; the buffer itself is returned, and one
+    whose groups are not contiguous is refused."""
+    N, K = shape
+    gen = torch.Generator().manual_seed(G + N + accumulate)
+    sizes = group_sizes(G, "with_empty", gen)
+    M = int(sizes.sum())
+    dy = torch.randn(M, N, generator=gen).to(dtype).cuda()
+    x = torch.randn(M, K, generator=gen).to(dtype).cuda()
+    init = torch.randn(G, N + 2, K, generator=gen).to(dtype).cuda()
+    sc = sizes.cuda()
+    per_group = [t.clone() for t in init[:, :N].unbind(0)]
+    ops.grouped_linear_wgrad(dy, x, sc, out=per_group, accumulate=accumulate, backend="cuda")
+    stacked = init.clone()[:, :N]
+    if not accumulate:
+        stacked.fill_(float("nan"))
+    assert ops.grouped_linear_wgrad(dy, x, sc, out=stacked, accumulate=accumulate, backend="cuda") is stacked
+    assert torch.equal(stacked, torch.stack(per_group))
+    with pytest.raises(RuntimeError, match="each group of the stacked gradients must be contiguous"):
+        ops.grouped_linear_wgrad(dy, x, sc, out=stacked.transpose(1, 2).contiguous().transpose(1, 2), backend="cuda")
