@@ -21,7 +21,8 @@ from . import reference
 __all__ = ["routing_plan", "permute", "unpermute", "unpermute_weight_grad", "unpermute_backward", "swiglu",
            "swiglu_backward",
            "grouped_linear", "grouped_linear_dgrad",
-           "grouped_linear_wgrad", "split_groups", "topk_retention", "priority_sample", "retained_pairs", "capacity_route", "router_topk",
+           "grouped_linear_wgrad", "split_groups", "topk_retention", "priority_sample", "retained_pairs",
+           "capacity_route", "router_topk",
            "router_topk_backward",
            "set_default_backend",
            "cuda_ops_status", "BACKENDS"]
