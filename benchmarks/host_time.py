@@ -9,8 +9,9 @@ to the step's wall time, and the anchor rows show where the floor lies. Then mic
 microseconds per call, no synchronisation inside the timed loop) of the router's logits GEMM in three
 forms, the wgrad gradients' split (unbind vs the ops' split_groups), one grouped GEMM call over E
 groups (E weight tensors, and one stacked tensor), and the autograd engine's AccumulateGrad of 2E
-expert parameters (2 E leaves vs 2); and a cProfile of each LRMoE row's forward (the functions with the most own and cumulative host time, and
-what the layer's forward functions call) and of its backward (run on the calling thread for it).
+expert parameters (2 E leaves vs 2); and a cProfile of each LRMoE row's forward (the functions with the
+most own and cumulative host time, and what the layer's forward functions call) and of its backward (run
+on the calling thread for it).
 
     python3 benchmarks/host_time.py --shape qwen3-30b-a3b --tokens 256 --out host_time.md
 """
