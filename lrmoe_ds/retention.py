@@ -12,6 +12,7 @@ from typing import Callable, List, Literal, Optional
 import torch
 
 from lrmoe_ds import ops
+from lrmoe_ds.ops import reference
 from lrmoe_ds.placement import ReplicaPlan
 
 Metric = Literal["grad_norm", "gate", "uniform"]
@@ -89,9 +90,8 @@ def select_retained(metric: torch.Tensor, group_sizes: torch.Tensor, quotas: tor
                                                     device=metric.device)
     kept, scale, kept_sizes, _ = ops.priority_sample(metric, group_sizes, quotas, u, num_kept)
     if total is not None and total < kept.numel():
-        keys = metric.index_select(0, kept)
-        if u is not None:
-            keys = keys / (1.0 - u.index_select(0, kept))  # the kept pairs' keys, as priority_sample made them
+        # the kept pairs' keys, as priority_sample made them
+        keys = reference.priority_keys(metric.index_select(0, kept), None if u is None else u.index_select(0, kept))
         one_group = torch.full((1,), kept.numel(), dtype=torch.long, device=kept.device)  # a fill: no host copy
         among, _, tau_all = ops.topk_retention(keys, one_group, torch.full_like(one_group, total), total)
         kept, scale = kept.index_select(0, among), scale.index_select(0, among)

@@ -241,6 +241,11 @@ def topk_retention(scores: torch.Tensor, group_sizes: torch.Tensor, quotas: torc
     return kept.long(), torch.minimum(quotas.long(), group_sizes.long()), threshold
 
 
+def priority_keys(metric: torch.Tensor, u: Optional[torch.Tensor]) -> torch.Tensor:
+    """Priority sampling's keys metric / (1 - u) for uniform draws u in [0, 1) (the metric itself without u)."""
+    return metric if u is None else metric / (1.0 - u)
+
+
 def priority_sample(metric: torch.Tensor, group_sizes: torch.Tensor, quotas: torch.Tensor,
                     u: Optional[torch.Tensor] = None, num_kept: Optional[int] = None):
     """Priority sampling within per-group quotas: key_p = metric_p / (1 - u_p), the q_g largest keys of
@@ -255,8 +260,7 @@ def priority_sample(metric: torch.Tensor, group_sizes: torch.Tensor, quotas: tor
         kept [P'] int64 (as topk_retention), scale [P'] float (metric's dtype), kept_sizes [G] int64,
         threshold [G] (the keys' dtype).
     """
-    keys = metric if u is None else metric / (1.0 - u)
-    kept, kept_sizes, tau = topk_retention(keys, group_sizes, quotas, num_kept)
+    kept, kept_sizes, tau = topk_retention(priority_keys(metric, u), group_sizes, quotas, num_kept)
     if u is None:
         return kept, torch.ones(kept.numel(), dtype=metric.dtype, device=metric.device), kept_sizes, tau
     # kept positions are grouped: group g's run of kept_sizes[g] entries
