@@ -85,8 +85,10 @@ class LRMoEConfig(DeepSpeedConfigModel):
 
     policy: Literal["auto", "stash", "recompute"] = "auto"
     """What the forward keeps for the expert backward: "stash" (expert inputs and pre-activations of
-    every pair), "recompute" (nothing per pair; the backward recomputes the retained pairs alone), or
-    "auto" (stash while the memory planner finds that it fits the budget, else recompute)."""
+    every pair; on one rank, where pairs may drop, the token inputs instead of their k-fold per-pair
+    copies, which the backward gathers its retained rows from as cheaply), "recompute" (nothing per pair;
+    the backward recomputes the retained pairs alone), or "auto" (stash while the memory planner finds
+    that it fits the budget, else recompute)."""
 
     budget_gib: Optional[float] = Field(None, gt=0.0)
     """Per-GPU memory budget in GiB. None (and no budget_fraction): unbounded."""

@@ -150,11 +150,6 @@ class LRMoE(MoE):
         if not self._retains():
             return BackwardSpec(), None
         policy, max_rows = self.memory_plan.policy, self.memory_plan.max_rows_per_rank
-        experts = self.deepspeed_moe.experts
-        ffn = experts.weight2.shape[2]  # the second projection is [G, H, F]
-        stash_bytes, backward_bytes = expert_row_bytes(self.hidden_size, ffn, experts.expert_type.activation,
-                                                       torch.finfo(dtype).bits // 8)
-
         if self._retention_step_host is None:
             self._retention_step_host = int(self.retention_step)
         ratio = cfg.retention_at(self._retention_step_host if self.optimizer_step is None else self.optimizer_step)
@@ -166,6 +161,11 @@ class LRMoE(MoE):
         # factor cuts only where something was dropped): no quotas to plan, no host read of the counts, and x's
         # norms are not needed. (Replicas route even then: their selection keeps every pair, weight 1.)
         may_drop = ratio < 1.0 or max_rows is not None or replicas
+        experts = self.deepspeed_moe.experts
+        ffn = experts.weight2.shape[2]  # the second projection is [G, H, F]
+        # a stash that may drop pairs on one rank keeps each token's x once, not per row (RoutedMLP)
+        stash_bytes, backward_bytes = expert_row_bytes(self.hidden_size, ffn, experts.expert_type.activation,
+                                                       torch.finfo(dtype).bits // 8, self.k if may_drop and R == 1 else 1)
 
         def plan_backward(spec: BackwardSpec) -> None:
             n = plan.all_counts.sum(0)

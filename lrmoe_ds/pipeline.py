@@ -35,6 +35,13 @@ def _graph_kept() -> bool:
     return True if keep is None else bool(keep())
 
 
+def _stash_keeps_rows(spec: BackwardSpec, dispatcher: AllToAllDispatcher) -> bool:
+    """Whether a stash keeps x's rows at the experts [P, H], or x itself [T, H]. On one rank a retained backward's
+    rows are x's own (x[src] = rows[kept]): a stash that may drop pairs keeps x, k times smaller, and the backward
+    gathers the kept rows from it as cheaply as from the rows. Across ranks the rows stay (x's would travel again)."""
+    return not (spec.may_drop and dispatcher.ep_size == 1)
+
+
 def _version_sum(tensors) -> int:
     return sum(t._version for t in tensors)
 
@@ -95,8 +102,9 @@ class RoutedMLP(torch.autograd.Function):
         del y
         out = ops.unpermute(y_src, plan.row_of_pair, topk_weight)
         stash = spec.policy == "stash"
+        stash_rows = stash and _stash_keeps_rows(spec, dispatcher)
         x_norm = _row_norms(x) if spec.may_drop and spec.metric == "grad_norm" else None
-        ctx.save_for_backward(None if stash else x, rows if stash else None, h if stash else None,
+        ctx.save_for_backward(None if stash_rows else x, rows if stash_rows else None, h if stash else None,
                               y_src if spec.router_grad == "exact" else None, topk_weight, x_norm)
         # The weights are leaf parameters: kept on ctx, not saved, which keeps saved-tensor hooks (offload) to
         # the activations. The stacked parameters' versions are summed instead (the per-expert views have
@@ -172,9 +180,12 @@ class RoutedMLP(torch.autograd.Function):
         if spec.policy == "stash":
             if kept is not None:  # the retained rows: x's copied for the GEMMs, h's read in place by the activation
                 h_index = disp.positions_at_experts(kept, plan, splits).long()
-                rows = ops.permute(rows, h_index)
             elif _graph_kept():  # mlp_backward writes over h, which a kept graph's next backward reads again
                 h = h.clone()
+            if rows is None:  # the stash kept x (one rank): the rows this backward runs, from their tokens
+                rows = ops.permute(x, src)
+            elif kept is not None:
+                rows = ops.permute(rows, h_index)
         else:
             rows = disp.to_experts(ops.permute(x, src), splits)
         want_y = want_router and spec.router_grad == "retained"

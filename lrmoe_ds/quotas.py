@@ -164,11 +164,13 @@ class RetentionStats:
         return self.quotas if self.kept is None else self.kept.get()
 
 
-def expert_row_bytes(hidden: int, ffn: int, activation: str, element_size: int):
+def expert_row_bytes(hidden: int, ffn: int, activation: str, element_size: int, x_rows_per_token: int = 1):
     """(stash bytes per routed row, backward buffer bytes per retained row) of a grouped expert MLP.
 
-    stash keeps x [H] and the pre-activation h [F1] (F1 = 2F for SwiGLU). The backward holds per
-    retained row dy [H], x and h (gathered or recomputed), a [F], da [F], dh [F1] and dx [H].
+    stash keeps x [H] and the pre-activation h [F1] (F1 = 2F for SwiGLU) per row; where it keeps each token's x
+    once for its k rows instead (one rank, pairs may drop: see RoutedMLP), pass ``x_rows_per_token`` = k. The
+    backward holds per retained row dy [H], x and h (gathered or recomputed), a [F], da [F], dh [F1] and dx [H].
     """
     f1 = 2 * ffn if activation == "swiglu" else ffn
-    return (hidden + f1) * element_size, (3 * hidden + 2 * f1 + 2 * ffn) * element_size
+    x_bytes = -(-hidden * element_size // x_rows_per_token)  # ceil: never below what is kept
+    return x_bytes + f1 * element_size, (3 * hidden + 2 * f1 + 2 * ffn) * element_size

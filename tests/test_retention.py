@@ -8,7 +8,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils._pytree import tree_leaves
 
 import lrmoe_ds
-from lrmoe_ds.quotas import plan_quotas, rank_shares
+from lrmoe_ds.quotas import MemoryPlan, plan_quotas, rank_shares
 from lrmoe_ds.retention import BackwardSpec, select_retained
 from moe_reference import expert_forward
 
@@ -431,12 +431,28 @@ def test_memory_recompute_keeps_less_and_the_backward_falls_with_retention():
     # what the forward keeps cannot depend on the selection (it needs dout): the policy sets it
     P, fp64 = T * K, 8
     assert held["stash", 1.0] - held["recompute", 1.0] == (P * H + P * 2 * F - T * H) * fp64  # rows + h, not x
-    for policy in ("stash", "recompute"):  # below 1.0 only ||x_t|| joins (the grad_norm metric's factor)
-        assert held[policy, 0.25] == held[policy, 0.5] == held[policy, 1.0] + T * fp64
+    # below 1.0 ||x_t|| joins (the grad_norm metric's factor), and on one rank the stash keeps x, not its P rows
+    assert held["recompute", 0.25] == held["recompute", 0.5] == held["recompute", 1.0] + T * fp64
+    assert held["stash", 0.25] == held["stash", 0.5] == held["stash", 1.0] + T * fp64 - (P - T) * H * fp64
     # the backward's buffers are sized by the retained rows
     for policy in ("stash", "recompute"):
         assert made[policy, 0.25] < made[policy, 0.5] < made[policy, 1.0], (policy, made)
     assert made["recompute", 1.0] > made["stash", 1.0]  # it recomputes h
+
+
+@pytest.mark.parametrize("ratio", [0.5, 1.0])
+def test_stash_of_x_gives_the_gradients_of_the_stash_of_rows(monkeypatch, ratio):
+    """On one rank a stash that may drop pairs keeps x, not its rows at the experts; the backward's rows gathered
+    from x are the stashed rows bit for bit, so every gradient is the same (a row cap makes 1.0 one that may drop)."""
+    from lrmoe_ds import pipeline
+    layer, x = make_layer(4)
+    configure(layer, retention_ratio=ratio, policy="stash")
+    if ratio == 1.0:
+        layer.memory_plan = MemoryPlan("stash", T * K)  # a cap that keeps every pair: may drop, drops nothing
+    dx_x, g_x = layer_grads(layer, x, step=3)
+    monkeypatch.setattr(pipeline, "_stash_keeps_rows", lambda spec, dispatcher: True)
+    dx_rows, g_rows = layer_grads(layer, x, step=3)
+    assert torch.equal(dx_x, dx_rows) and all(torch.equal(a, b) for a, b in zip(g_x, g_rows))
 
 
 def test_eval_and_disabled_run_exact():
