@@ -1,6 +1,7 @@
 # One device call for the convergence study: build the ops once (so the launches do not race to build them),
 # then benchmarks/convergence.py on h200.json with CONV_ARGS (seeds, steps, --parallel ...). The work dir
-# (configs, summaries, csv, logs) goes under $OUT, so a timed-out study can be collected later with --reuse.
+# (configs, summaries, csv, logs) goes under $OUT as one work.tar (the device returns at most 8 files), so a
+# timed-out study can be collected later with --reuse.
 # Usage (from the repo root, .whl carried):
 #   CONV_ARGS="--steps 600 --seeds 1 2 3 4 --parallel 12 --name h200_600_seeds" bash benchmarks/gpu_convergence.sh
 source benchmarks/gpu_setup.sh || exit 1
@@ -13,3 +14,4 @@ timeout ${CONV_TIMEOUT:-480} python3 benchmarks/convergence.py --base_config ds_
 kill %1 2>/dev/null; echo "GPU memory, utilization every 20 s:" $(cat $OUT/gpu_use.log | tr '\n' ';')
 grep -E "held-out loss|FAILED" $OUT/convergence.log | tail -20
 sed -n '/^| seed/,/^Mean/p' $OUT/convergence_*.md 2>/dev/null
+tar -cf $OUT/work.tar -C $OUT work && rm -rf $OUT/work
