@@ -9,8 +9,9 @@ cp -r benchmarks train.py ds_configs /tmp/pkg/ && cd /tmp/pkg || exit 1
 ( time python3 -c "from lrmoe_ds import ops; print(ops.cuda_ops_status())" ) > $OUT/build.log 2>&1; tail -4 $OUT/build.log
 (while sleep 20; do nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader; done) \
   > $OUT/gpu_use.log 2>&1 &
+# CONV_ARGS last: its --extra takes the rest of the line to train.py
 timeout ${CONV_TIMEOUT:-480} python3 benchmarks/convergence.py --base_config ds_configs/h200.json --num_gpus 1 \
-  ${CONV_ARGS:-} --out_dir $OUT --work_dir $OUT/work > $OUT/convergence.log 2>&1; echo "convergence rc=$?"
+  --out_dir $OUT --work_dir $OUT/work ${CONV_ARGS:-} > $OUT/convergence.log 2>&1; echo "convergence rc=$?"
 kill %1 2>/dev/null; echo "GPU memory, utilization every 20 s:" $(cat $OUT/gpu_use.log | tr '\n' ';')
 grep -E "held-out loss|FAILED" $OUT/convergence.log | tail -20
 sed -n '/^| seed/,/^Mean/p' $OUT/convergence_*.md 2>/dev/null
