@@ -440,6 +440,22 @@ def test_memory_recompute_keeps_less_and_the_backward_falls_with_retention():
     assert made["recompute", 1.0] > made["stash", 1.0]  # it recomputes h
 
 
+def test_the_planners_stash_estimate_is_what_the_stash_keeps():
+    """The memory planner's stash bytes per routed row follow what the forward keeps: x's row and h at 1.0,
+    on one rank where pairs may drop h and a k-th of the token's x; over the layer's rows, the saved bytes."""
+    layer, x = make_layer(3)
+    per_row, held = {}, {}
+    for ratio in (1.0, 0.5):
+        configure(layer, retention_ratio=ratio, policy="stash", router_grad="retained")
+        held[ratio] = saved_bytes(layer, x)
+        layer_grads(layer, x)
+        per_row[ratio] = layer.last_stats.stash_bytes_per_row
+    fp64 = 8
+    assert per_row[1.0] == (H + 2 * F) * fp64 and per_row[0.5] == -(-H * fp64 // K) + 2 * F * fp64
+    # the bytes the stash saves = the estimate's over the T * K rows (the 0.5 layer keeps ||x_t|| too, T floats)
+    assert held[1.0] - (held[0.5] - T * fp64) == T * K * (per_row[1.0] - per_row[0.5])
+
+
 @pytest.mark.parametrize("ratio", [0.5, 1.0])
 def test_stash_of_x_gives_the_gradients_of_the_stash_of_rows(monkeypatch, ratio):
     """On one rank a stash that may drop pairs keeps x, not its rows at the experts; the backward's rows gathered
