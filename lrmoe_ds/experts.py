@@ -104,7 +104,7 @@ def mlp_backward(rows: BackwardRows, w1, w2, expert_type,
     """The backward of :func:`mlp_forward` over the rows given (the retained ones).
 
     Returns (dx, dw1, dw2, y_dot_dy): dw1, dw2 the weight gradients stacked [G, N, K] (what the stacked
-    parameters of :class:`GroupedExperts` take); y_dot_dy [M] = <y_m, dy_m> of the recomputed outputs y if
+    parameters of :class:`GroupedExperts` take); y_dot_dy [M] float32 = <y_m, dy_m> of the rows' outputs y if
     ``want_output_dot`` (the retained-pairs router gradient), else None. The order of the steps and
     the freeing of ``rows`` keep at most about three [M, *] buffers alive at once.
     """
@@ -114,13 +114,12 @@ def mlp_backward(rows: BackwardRows, w1, w2, expert_type,
         h = ops.grouped_linear(x, w1, group_sizes)
     da = ops.grouped_linear_dgrad(dy, w2, group_sizes)
     dh, a = expert_type.act_backward(h, da, h_index)             # without h_index, h's buffer may now hold dh
-    del h, da
-    dw2 = _stacked_wgrad(dy, a, group_sizes)
+    del h
     y_dot_dy = None
-    if want_output_dot:
-        y = ops.grouped_linear(a, w2, group_sizes)
-        y_dot_dy = ops.unpermute_weight_grad(y, torch.arange(y.shape[0], device=y.device).view(-1, 1), dy).view(-1)
-        del y
+    if want_output_dot:  # <y_m, dy_m> = <a_m W2^T, dy_m> = <a_m, dy_m W2> = <a_m, da_m>: no GEMM to remake y
+        y_dot_dy = ops.unpermute_weight_grad(a, torch.arange(a.shape[0], device=a.device).view(-1, 1), da).view(-1)
+    del da
+    dw2 = _stacked_wgrad(dy, a, group_sizes)
     del a, dy
     dw1 = _stacked_wgrad(dh, x, group_sizes)
     del x
