@@ -19,7 +19,7 @@ from lrmoe_ds.config import LRMoEConfig
 from lrmoe_ds.dispatcher import AllToAllDispatcher, DispatchPlan
 from lrmoe_ds.experts import EXPERT_TYPES, GroupedExperts
 from lrmoe_ds.placement import plan_with_replicas
-from lrmoe_ds.pipeline import ExpertWeights, RoutedMLP, WeightGrads
+from lrmoe_ds.pipeline import ExpertWeights, RoutedMLP, WeightGrads, stash_keeps_rows
 from lrmoe_ds.quotas import MemoryPlan, RetentionStats, expert_row_bytes, plan_quotas, rank_shares
 from lrmoe_ds.retention import BackwardSpec
 from lrmoe_ds.router import Router
@@ -163,9 +163,9 @@ class LRMoE(MoE):
         may_drop = ratio < 1.0 or max_rows is not None or replicas
         experts = self.deepspeed_moe.experts
         ffn = experts.weight2.shape[2]  # the second projection is [G, H, F]
-        # a stash that may drop pairs on one rank keeps each token's x once, not per row (RoutedMLP)
         stash_bytes, backward_bytes = expert_row_bytes(self.hidden_size, ffn, experts.expert_type.activation,
-                                                       torch.finfo(dtype).bits // 8, self.k if may_drop and R == 1 else 1)
+                                                       torch.finfo(dtype).bits // 8,
+                                                       1 if stash_keeps_rows(may_drop, R) else self.k)
 
         def plan_backward(spec: BackwardSpec) -> None:
             n = plan.all_counts.sum(0)

@@ -35,11 +35,11 @@ def _graph_kept() -> bool:
     return True if keep is None else bool(keep())
 
 
-def _stash_keeps_rows(spec: BackwardSpec, dispatcher: AllToAllDispatcher) -> bool:
+def stash_keeps_rows(may_drop: bool, ep_size: int) -> bool:
     """Whether a stash keeps x's rows at the experts [P, H], or x itself [T, H]. On one rank a retained backward's
     rows are x's own (x[src] = rows[kept]): a stash that may drop pairs keeps x, k times smaller, and the backward
     gathers the kept rows from it as cheaply as from the rows. Across ranks the rows stay (x's would travel again)."""
-    return not (spec.may_drop and dispatcher.ep_size == 1)
+    return not (may_drop and ep_size == 1)
 
 
 def _version_sum(tensors) -> int:
@@ -102,7 +102,7 @@ class RoutedMLP(torch.autograd.Function):
         del y
         out = ops.unpermute(y_src, plan.row_of_pair, topk_weight)
         stash = spec.policy == "stash"
-        stash_rows = stash and _stash_keeps_rows(spec, dispatcher)
+        stash_rows = stash and stash_keeps_rows(spec.may_drop, dispatcher.ep_size)
         x_norm = _row_norms(x) if spec.may_drop and spec.metric == "grad_norm" else None
         ctx.save_for_backward(None if stash_rows else x, rows if stash_rows else None, h if stash else None,
                               y_src if spec.router_grad == "exact" else None, topk_weight, x_norm)
