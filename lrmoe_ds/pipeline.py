@@ -9,7 +9,8 @@ backward over the compacted groups; dx comes back for the retained rows and is s
 With replicas (lrmoe_ds.placement) the retained rows go to the group slot that runs them instead, and
 the replicas' weights and gradients travel to and from their homes.
 Dropped pairs give no expert weight gradient and no expert-path term in dx; the router's gradient is
-exact (from the saved expert outputs) or from the retained pairs alone.
+exact (from the saved expert outputs, or where no pair drops from the rows the backward runs) or from the
+retained pairs alone.
 """
 import torch
 
@@ -40,6 +41,14 @@ def stash_keeps_rows(may_drop: bool, ep_size: int) -> bool:
     rows are x's own (x[src] = rows[kept]): a stash that may drop pairs keeps x, k times smaller, and the backward
     gathers the kept rows from it as cheaply as from the rows. Across ranks the rows stay (x's would travel again)."""
     return not (may_drop and ep_size == 1)
+
+
+def router_dots_from_rows(router_grad: str, may_drop: bool, dtype: torch.dtype) -> bool:
+    """Whether the exact router gradient <y_p, dout_t> comes from the rows the backward runs, as <a_p, da_p> / w_p
+    (y = a W2^T, dy_p = w_p dout_t, da = dy W2), so that the expert outputs y [P, H] are not saved. Where no pair
+    drops, every pair's a and da are made anyway. Not in fp16, whose narrow range would flush w_p dout_t of a small
+    gate to zero (and its gate gradient with it); where w_p is 0 the dot is 0, as is the softmax's derivative."""
+    return router_grad == "exact" and not may_drop and dtype != torch.float16
 
 
 def _version_sum(tensors) -> int:
@@ -104,8 +113,9 @@ class RoutedMLP(torch.autograd.Function):
         stash = spec.policy == "stash"
         stash_rows = stash and stash_keeps_rows(spec.may_drop, dispatcher.ep_size)
         x_norm = _row_norms(x) if spec.may_drop and spec.metric == "grad_norm" else None
+        keep_y = spec.router_grad == "exact" and not router_dots_from_rows(spec.router_grad, spec.may_drop, x.dtype)
         ctx.save_for_backward(None if stash_rows else x, rows if stash_rows else None, h if stash else None,
-                              y_src if spec.router_grad == "exact" else None, topk_weight, x_norm)
+                              y_src if keep_y else None, topk_weight, x_norm)
         # The weights are leaf parameters: kept on ctx, not saved, which keeps saved-tensor hooks (offload) to
         # the activations. The stacked parameters' versions are summed instead (the per-expert views have
         # counters of their own), so that a weight changed in place before the backward is still an error.
@@ -126,7 +136,7 @@ class RoutedMLP(torch.autograd.Function):
         src = plan.order // K                                           # send row -> token
         weight_of_row = topk_weight.reshape(-1).index_select(0, plan.order)
         want_router = ctx.needs_input_grad[1]
-        exact_router = want_router and spec.router_grad == "exact"
+        exact_router = want_router and y_src is not None                # else <y, dy> from the rows, below
         shares, replicas = spec.shares, spec.replicas
         d_weight = dy = None
         if exact_router and shares is None:  # the combine's two gradients (dy_p = w_p dout_t) from one read of dout
@@ -188,7 +198,7 @@ class RoutedMLP(torch.autograd.Function):
                 rows = ops.permute(rows, h_index)
         else:
             rows = disp.to_experts(ops.permute(x, src), splits)
-        want_y = want_router and spec.router_grad == "retained"
+        want_y = want_router and y_src is None
         handed = BackwardRows(disp.to_experts(dy, splits), rows, h, h_index)
         del dy, rows, h                                                 # mlp_backward frees them as it goes
         if replicas is not None:  # the replica slots' weights from their homes

@@ -277,7 +277,10 @@ def test_ratio_one_never_waits_for_the_counts(monkeypatch, allocation):
 
 
 def test_full_quota_selection_is_bit_exact(monkeypatch):
-    # the whole selection path with every quota >= count keeps all pairs with weight 1
+    # the whole selection path with every quota >= count keeps all pairs with weight 1 (the router's dots both
+    # from the saved outputs: where nothing may drop they come from the rows instead, with rounding of their own)
+    from lrmoe_ds import pipeline
+    monkeypatch.setattr(pipeline, "router_dots_from_rows", lambda *args: False)
     layer, x = make_layer()
     dx_exact, grads_exact = layer_grads(layer, x)
     configure(layer, retention_ratio=1.0)
@@ -469,6 +472,27 @@ def test_stash_of_x_gives_the_gradients_of_the_stash_of_rows(monkeypatch, ratio)
     monkeypatch.setattr(pipeline, "stash_keeps_rows", lambda may_drop, ep_size: True)
     dx_rows, g_rows = layer_grads(layer, x, step=3)
     assert torch.equal(dx_x, dx_rows) and all(torch.equal(a, b) for a, b in zip(g_x, g_rows))
+
+
+@pytest.mark.parametrize("policy", ["stash", "recompute"])
+def test_exact_router_gradient_from_the_rows_saves_no_outputs(monkeypatch, policy):
+    """Where no pair drops, <y_p, dout_t> = <a_p, da_p> / w_p from the rows the backward runs: the forward keeps no
+    expert outputs [P, H], and every gradient is the one from the saved outputs up to rounding."""
+    from lrmoe_ds import pipeline
+    layer, x = make_layer(5)
+    configure(layer, retention_ratio=1.0, policy=policy)
+    held_rows = saved_bytes(layer, x)
+    dx_rows, g_rows = layer_grads(layer, x)
+    monkeypatch.setattr(pipeline, "router_dots_from_rows", lambda *args: False)
+    held_y = saved_bytes(layer, x)
+    dx_y, g_y = layer_grads(layer, x)
+    assert held_y - held_rows == T * K * H * 8
+    router = [n for n, _ in layer.named_parameters()].index("deepspeed_moe.gate.wg.weight")
+    assert not torch.equal(g_rows[router], g_y[router])  # another route...
+    for a, b in zip([dx_rows] + g_rows, [dx_y] + g_y):    # ...to the same gradients
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-15)
+    assert not pipeline.router_dots_from_rows("exact", False, torch.float16)  # its range would flush w_p dout_t
+    assert not pipeline.router_dots_from_rows("exact", True, torch.bfloat16)  # a dropped pair's dot needs y
 
 
 def test_eval_and_disabled_run_exact():
