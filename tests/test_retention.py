@@ -491,8 +491,9 @@ def test_exact_router_gradient_from_the_rows_saves_no_outputs(monkeypatch, polic
     assert not torch.equal(g_rows[router], g_y[router])  # another route...
     for a, b in zip([dx_rows] + g_rows, [dx_y] + g_y):    # ...to the same gradients
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-15)
-    assert not pipeline.router_dots_from_rows("exact", False, torch.float16)  # its range would flush w_p dout_t
-    assert not pipeline.router_dots_from_rows("exact", True, torch.bfloat16)  # a dropped pair's dot needs y
+    assert not pipeline.router_dots_from_rows("exact", False, torch.float16, 1)  # its range would flush w_p dout_t
+    assert not pipeline.router_dots_from_rows("exact", True, torch.bfloat16, 1)  # a dropped pair's dot needs y
+    assert not pipeline.router_dots_from_rows("exact", False, torch.bfloat16, 2)  # no all-to-all of its own
 
 
 def test_eval_and_disabled_run_exact():
