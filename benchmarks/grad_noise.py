@@ -85,7 +85,7 @@ def record_row_norms(model, rows, aux_coef):
         x, h, dy = handed.x, handed.h, handed.dy
         h = ops.grouped_linear(x, w1, group_sizes) if h is None else h
         # act_backward may write dh over its h: a copy, so that the backward below still reads h
-        dh, a = expert_type.act_backward(h.clone(), ops.grouped_linear_dgrad(dy, w2, group_sizes))
+        dh, a, _ = expert_type.act_backward(h.clone(), ops.grouped_linear_dgrad(dy, w2, group_sizes))
         records.append((group_sizes.detach().cpu().long(), {n: t.detach().double().norm(dim=1) for n, t in
                                                             (("dy", dy), ("x", x), ("a", a), ("dh", dh))}))
         return original(handed, w1, w2, expert_type, group_sizes, want_output_dot)

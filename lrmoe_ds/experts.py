@@ -31,12 +31,13 @@ class SwiGLUExpert(nn.Module):
         return ops.swiglu(h)
 
     @staticmethod
-    def act_backward(h: torch.Tensor, da: torch.Tensor, index: Optional[torch.Tensor] = None):
-        """(dh, a): the activation's input gradient and its output recomputed, from one read of h (one
-        fused kernel on CUDA). Without ``index`` dh is written over h, which must not be read again; with
-        it, the rows ``h[index]`` are read (a stash's retained rows, gathered in the same pass) and h is
-        left as it is."""
-        return ops.swiglu_backward(h, da, inplace=index is None, with_activation=True, index=index)
+    def act_backward(h: torch.Tensor, da: torch.Tensor, index: Optional[torch.Tensor] = None, with_dot: bool = False):
+        """(dh, a, dot): the activation's input gradient and its output recomputed, from one read of h (one
+        fused kernel on CUDA); dot [M] = <a_m, da_m> from the same pass if ``with_dot``, else None. Without
+        ``index`` dh is written over h, which must not be read again; with it, the rows ``h[index]`` are read
+        (a stash's retained rows, gathered in the same pass) and h is left as it is."""
+        out = ops.swiglu_backward(h, da, inplace=index is None, with_activation=True, index=index, with_dot=with_dot)
+        return out if with_dot else (*out, None)
 
     def projections(self):
         return self.gate_up_proj.weight, self.down_proj.weight
@@ -60,11 +61,13 @@ class GELUExpert(nn.Module):
         return F.gelu(h)
 
     @staticmethod
-    def act_backward(h: torch.Tensor, da: torch.Tensor, index: Optional[torch.Tensor] = None):
-        """(dh, a), as :meth:`SwiGLUExpert.act_backward` (here torch ops, h left as it is)."""
+    def act_backward(h: torch.Tensor, da: torch.Tensor, index: Optional[torch.Tensor] = None, with_dot: bool = False):
+        """(dh, a, dot), as :meth:`SwiGLUExpert.act_backward` (here torch ops, h left as it is)."""
         if index is not None:
             h = h.index_select(0, index)
-        return torch.ops.aten.gelu_backward(da, h), F.gelu(h)
+        a = F.gelu(h)
+        dot = reference.row_dots(a, da) if with_dot else None
+        return torch.ops.aten.gelu_backward(da, h), a, dot
 
     def projections(self):
         return self.fc1.weight, self.fc2.weight
@@ -113,12 +116,9 @@ def mlp_backward(rows: BackwardRows, w1, w2, expert_type,
     if h is None:
         h = ops.grouped_linear(x, w1, group_sizes)
     da = ops.grouped_linear_dgrad(dy, w2, group_sizes)
-    dh, a = expert_type.act_backward(h, da, h_index)             # without h_index, h's buffer may now hold dh
-    del h
-    y_dot_dy = None
-    if want_output_dot:  # <y_m, dy_m> = <a_m W2^T, dy_m> = <a_m, dy_m W2> = <a_m, da_m>: no GEMM to remake y
-        y_dot_dy = ops.unpermute_weight_grad(a, torch.arange(a.shape[0], device=a.device).view(-1, 1), da).view(-1)
-    del da
+    # <y_m, dy_m> = <a_m W2^T, dy_m> = <a_m, dy_m W2> = <a_m, da_m>: no GEMM to remake y, and no pass of its own
+    dh, a, y_dot_dy = expert_type.act_backward(h, da, h_index, want_output_dot)  # without h_index, h may now hold dh
+    del h, da
     dw2 = _stacked_wgrad(dy, a, group_sizes)
     del a, dy
     dw1 = _stacked_wgrad(dh, x, group_sizes)

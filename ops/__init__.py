@@ -132,11 +132,14 @@ def swiglu(h: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
 
 
 def swiglu_backward(h: torch.Tensor, da: torch.Tensor, inplace: bool = False, with_activation: bool = False,
-                    index: Optional[torch.Tensor] = None, backend: Optional[str] = None):
+                    index: Optional[torch.Tensor] = None, with_dot: bool = False, backend: Optional[str] = None):
     """dh [M, 2F] of :func:`swiglu` from h [M, 2F] and da [M, F]; ``inplace``: written over h;
     ``with_activation``: returns (dh, swiglu(h)) from one read of h; ``index`` [M] int64: read h's rows
-    index[m] instead (h [Mh, 2F]; not with inplace)."""
-    return _select("swiglu_backward", backend, h)(h, da, inplace, with_activation, index)
+    index[m] instead (h [Mh, 2F]; not with inplace); ``with_dot`` (with ``with_activation``): returns
+    (dh, a, dot), dot [M] = <a_m, da_m> (float32, float64 for float64 inputs) from the same pass."""
+    if with_dot and not with_activation:
+        raise ValueError("swiglu_backward: with_dot needs with_activation (the dot is <a_m, da_m>)")
+    return _select("swiglu_backward", backend, h)(h, da, inplace, with_activation, index, with_dot)
 
 
 def grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], group_sizes: torch.Tensor,

@@ -126,7 +126,7 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_backward(h: torch.Tensor, da: torch.Tensor, inplace: bool = False, with_activation: bool = False,
-                    index: Optional[torch.Tensor] = None):
+                    index: Optional[torch.Tensor] = None, with_dot: bool = False):
     if inplace and index is not None:
         raise ValueError("swiglu_backward: inplace writes over h's own rows; it takes no index")
     if inplace and not h.is_contiguous():
@@ -137,8 +137,9 @@ def swiglu_backward(h: torch.Tensor, da: torch.Tensor, inplace: bool = False, wi
     M = h.shape[0] if index is None else index.shape[0]
     dh = h if inplace else h.new_empty((M,) + tuple(h.shape[1:]))
     a = h.new_empty(M, h.shape[1] // 2) if with_activation and h.dim() == 2 else None
-    load().swiglu_backward(h, da, dh, a, index)
-    return (dh, a) if with_activation else dh
+    dot = h.new_empty(M, dtype=torch.float32) if with_dot else None
+    load().swiglu_backward(h, da, dh, a, index, dot)
+    return (dh, a, dot) if with_dot else (dh, a) if with_activation else dh
 
 
 def _retention_inputs(name: str, scores: torch.Tensor, group_sizes: torch.Tensor, quotas: torch.Tensor):

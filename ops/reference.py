@@ -116,15 +116,23 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[M] <a_m, b_m> of two [M, N] tensors, summed in the wider of a's dtype and float32."""
+    acc = torch.promote_types(a.dtype, torch.float32)
+    return (a.to(acc) * b.to(acc)).sum(1)
+
+
 def swiglu_backward(h: torch.Tensor, da: torch.Tensor, inplace: bool = False, with_activation: bool = False,
-                    index: Optional[torch.Tensor] = None):
+                    index: Optional[torch.Tensor] = None, with_dot: bool = False):
     """dh [M, 2F] of :func:`swiglu` from h and da [M, F]; computed in the wider of h's dtype and float32.
 
     ``inplace``: dh is written over h (h's values are read first) and h is returned: the backward's
     buffers need not hold both. ``with_activation``: returns (dh, a), a = swiglu(h) from the same h (the
     backward recomputes it for the down projection's weight gradient). ``index`` [M] (int64): the rows
     of h [Mh, 2F] to read, output row m from h[index[m]] (the retained rows of a stash, without a copy
-    of them first); not with ``inplace``."""
+    of them first); not with ``inplace``. ``with_dot`` (with ``with_activation``): returns (dh, a, dot), dot [M] =
+    <a_m, da_m> of the rounded a, summed in the wider of h's dtype and float32 (the router gradient's <y_m, dy_m>,
+    as y = a W2^T and da = dy W2)."""
     if index is not None:
         if inplace:
             raise ValueError("swiglu_backward: inplace writes over h's own rows; it takes no index")
@@ -137,9 +145,10 @@ def swiglu_backward(h: torch.Tensor, da: torch.Tensor, inplace: bool = False, wi
     s = torch.sigmoid(gate)
     dh = torch.cat([da * up * s * (1 + gate * (1 - s)), da * gate * s], dim=-1).to(h.dtype)
     a = swiglu(h) if with_activation else None
+    dot = row_dots(a, da) if with_dot else None
     if inplace:
         dh = h.copy_(dh)
-    return (dh, a) if with_activation else dh
+    return (dh, a, dot) if with_dot else (dh, a) if with_activation else dh
 
 
 def _group_slices(group_sizes: torch.Tensor):

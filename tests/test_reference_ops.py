@@ -239,6 +239,27 @@ def test_swiglu_backward_in_place_with_activation(dtype):
     assert dh.data_ptr() == buffer.data_ptr() and torch.equal(buffer, dh_ref) and torch.equal(a, a_ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_swiglu_backward_dot_is_the_rows_dot_of_a_and_da(dtype):
+    """with_dot: dot[m] = <a_m, da_m> of the rounded a (a loop in fp64 over the same values), with dh and a as
+    without it, in place and from indexed rows; it needs the activation."""
+    gen = torch.Generator().manual_seed(9)
+    h = (3 * torch.randn(7, 12, generator=gen, dtype=torch.float64)).to(dtype)
+    da = torch.randn(7, 6, generator=gen, dtype=torch.float64).to(dtype)
+    dh_ref, a_ref = ref.swiglu_backward(h, da, with_activation=True)
+    dh, a, dot = ref.swiglu_backward(h.clone(), da, inplace=True, with_activation=True, with_dot=True)
+    assert torch.equal(dh, dh_ref) and torch.equal(a, a_ref)
+    assert dot.dtype == torch.promote_types(dtype, torch.float32)
+    loops = [math.fsum(float(a_ref[m, f]) * float(da[m, f]) for f in range(6)) for m in range(7)]
+    assert torch.allclose(dot.double(), torch.tensor(loops, dtype=torch.float64), rtol=1e-6 if dtype != torch.float64
+                          else 1e-13, atol=0)
+    index = torch.tensor([3, 3, 0, 6, 1, 2, 5])
+    _, _, dot_indexed = ref.swiglu_backward(h, da, with_activation=True, index=index, with_dot=True)
+    assert torch.equal(dot_indexed, ref.swiglu_backward(h[index], da, with_activation=True, with_dot=True)[2])
+    with pytest.raises(ValueError, match="with_activation"):
+        ops.swiglu_backward(h, da, with_dot=True, backend="torch")
+
+
 def test_swiglu_backward_reads_the_indexed_rows():
     """index: output row m from h[index[m]] (repeats and any order), the bits of a gather first; bad index errors."""
     gen = torch.Generator().manual_seed(8)

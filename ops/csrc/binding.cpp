@@ -17,9 +17,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("dout"), pybind11::arg("d_rows"), pybind11::arg("d_weight"),
         pybind11::arg("d_row_of_pair") = pybind11::none());
   m.def("swiglu_backward", &lrmoe::swiglu_backward_op,
-        "dh of swiglu from h (its rows index[m] if given) and da (dh may be h: in place), and a = swiglu(h) if given",
+        "dh of swiglu from h (its rows index[m] if given) and da (dh may be h: in place), a = swiglu(h) if given, and "
+        "dot[m] = <a_m, da_m> (fp32) if given",
         pybind11::arg("h"), pybind11::arg("da"), pybind11::arg("dh"), pybind11::arg("a") = pybind11::none(),
-        pybind11::arg("index") = pybind11::none());
+        pybind11::arg("index") = pybind11::none(), pybind11::arg("dot") = pybind11::none());
   m.def("topk_retention", &lrmoe::topk_retention_op, "quota-aware top-k retention per group");
   m.def("priority_sample", &lrmoe::priority_sample_op,
         "priority sampling within quotas: keys metric / (1 - u), kept, kept_sizes, threshold, the kept pairs' weights",

@@ -44,10 +44,11 @@ void unpermute_weight_grad(const void* rows, DType rtype, int64_t P, int64_t H, 
                            const void* d_row_of_pair, int64_t Pd, cudaStream_t stream);
 // SwiGLU on h [M, 2F] (gate columns first): a[M, F] = silu(gate) * up; and its backward
 // dh[M, 2F] from h and da [M, F] (dh may be h itself: written in place), with a as well where a is not nullptr
-// (the forward recomputed from the same read of h). fp32 arithmetic, one rounding per output.
+// (the forward recomputed from the same read of h), and where dot is not nullptr (a given too) dot[m] = <a_m, da_m>
+// in fp32. fp32 arithmetic, one rounding per output.
 void swiglu(const void* h, DType dtype, int64_t M, int64_t F, void* a, cudaStream_t stream);
 void swiglu_backward(const void* h, const void* da, DType dtype, int64_t M, int64_t F, void* dh, void* a,
-                     const int64_t* index, int64_t Mh, cudaStream_t stream);
+                     float* dot, const int64_t* index, int64_t Mh, cudaStream_t stream);
 
 // Quota-aware top-k; see retention.cu. kept [P] (the first sum_g min(q_g, n_g) entries are written),
 // kept_sizes [G] int64, threshold [G] in scores' dtype, summary [3] int64 = (kept total, sum of

@@ -182,7 +182,7 @@ void swiglu_op(const at::Tensor& h, at::Tensor& out) {
 }
 
 void swiglu_backward_op(const at::Tensor& h, const at::Tensor& da, at::Tensor& dh, const c10::optional<at::Tensor>& a,
-                        const c10::optional<at::Tensor>& index) {
+                        const c10::optional<at::Tensor>& index, const c10::optional<at::Tensor>& dot) {
   check_cuda(h, "swiglu_backward: h");
   check_cuda(da, "swiglu_backward: da");
   LRMOE_CHECK(h.dim() == 2 && h.size(1) % 2 == 0, "swiglu_backward: h must be [Mh, 2F], got shape ", h.sizes());
@@ -208,9 +208,14 @@ void swiglu_backward_op(const at::Tensor& h, const at::Tensor& da, at::Tensor& d
     at::assert_no_overlap(*a, h);
     at::assert_no_overlap(*a, da);
   }
+  if (dot.has_value()) {  // <a_m, da_m>: computed with a, so a comes too
+    LRMOE_CHECK(a.has_value(), "swiglu_backward: dot needs a (the dot is <a_m, da_m> of the recomputed activation)");
+    check_out(*dot, {M}, at::kFloat, h, "swiglu_backward: dot");
+    for (const at::Tensor& t : {h, da, dh, *a}) at::assert_no_overlap(*dot, t);
+  }
   const c10::cuda::CUDAGuard guard(h.device());
   swiglu_backward(h.data_ptr(), da.data_ptr(), dt, M, h.size(1) / 2, dh.data_ptr(),
-                  a.has_value() ? a->data_ptr() : nullptr,
+                  a.has_value() ? a->data_ptr() : nullptr, dot.has_value() ? dot->data_ptr<float>() : nullptr,
                   index.has_value() ? index->data_ptr<int64_t>() : nullptr, h.size(0), stream());
 }
 

@@ -63,6 +63,42 @@ def test_indexed_backward_is_a_gather_then_the_kernel(ext, M, F, dtype):
     assert torch.equal(h, before)
 
 
+@pytest.mark.parametrize("M,F,dtype,indexed", list(itertools.product([0, 1, 37, 4096], [5, 768, 1408], DTYPES,
+                                                                      [False, True])))
+def test_backward_dot_is_the_rows_dot(ext, M, F, dtype, indexed):
+    """dot[m] = <a_m, da_m> (fp32) from the same pass: dh and a the very bits of the kernel without it, the dot
+    that of the written a and da (fp64 sums over the rounded values) to fp32 accuracy; in place or from indexed
+    rows; every entry written (NaN-poisoned first); both pack widths (F = 5 takes the scalar path)."""
+    gen = torch.Generator().manual_seed(M + 19 * F)
+    h = (4 * torch.randn(M + 3, 2 * F, generator=gen)).to(dtype).cuda()
+    index = torch.randint(0, M + 3, (M,), generator=gen).cuda() if indexed else None
+    h = h if indexed else h[:M].contiguous()
+    da = torch.randn(M, F, generator=gen).to(dtype).cuda()
+    dh_ref, a_ref = ops.swiglu_backward(h, da, with_activation=True, index=index, backend="cuda")
+    src = h if indexed else h.clone()
+    dh, a = torch.empty_like(dh_ref), torch.empty_like(a_ref)
+    dot = torch.full((M,), float("nan"), device="cuda")
+    ext.swiglu_backward(src, da, src if not indexed else dh, a, index, dot)
+    dh = dh if indexed else src
+    assert torch.equal(dh, dh_ref) and torch.equal(a, a_ref)
+    expected = (a_ref.double() * da.double()).sum(1)
+    scale = (a_ref.double().abs() * da.double().abs()).sum(1)  # the sum's condition: fp32 rounding is relative to it
+    assert torch.isfinite(dot).all()
+    assert ((dot.double() - expected).abs() <= 5e-6 * scale + 1e-30).all()  # above fp32's bound for 50 terms a lane
+    assert torch.equal(ops.swiglu_backward(h, da, with_activation=True, index=index, with_dot=True, backend="cuda")[2], dot)
+
+
+def test_backward_dot_rejects_bad_input(ext):
+    h, da = torch.randn(4, 16, device="cuda"), torch.randn(4, 8, device="cuda")
+    dh = torch.empty_like(h)
+    with pytest.raises(RuntimeError, match="dot needs a"):
+        ext.swiglu_backward(h, da, dh, None, None, torch.empty(4, device="cuda"))
+    with pytest.raises(RuntimeError, match="dot must be"):
+        ext.swiglu_backward(h, da, dh, torch.empty(4, 8, device="cuda"), None, torch.empty(4, device="cuda").double())
+    with pytest.raises(ValueError, match="with_activation"):
+        ops.swiglu_backward(h, da, with_dot=True, backend="cuda")
+
+
 def test_indexed_backward_rejects_bad_input(ext):
     h, da = torch.randn(6, 16, device="cuda"), torch.randn(4, 8, device="cuda")
     index = torch.tensor([5, 0, 2, 2], device="cuda")
