@@ -3,7 +3,8 @@
 # permutation kernels' bandwidth, and issue 4's layer table back to back. Logs and tables go to $OUT, named by the
 # GPU (h100 / h200) so that a call that lands on the other card says so in its file names.
 # Usage (from the repo root, .whl carried):
-#   bash benchmarks/gpu_tables.sh    # GEMM_TIMEOUT, PERMUTE_TIMEOUT, LAYER_TIMEOUT (seconds; 0 skips that part)
+#   bash benchmarks/gpu_tables.sh    # GEMM_TIMEOUT, PERMUTE_TIMEOUT, LAYER_TIMEOUT, RETAINED_TIMEOUT (seconds; 0 skips
+#                                    # that part; the last: the layer table again with router_grad "retained")
 source benchmarks/gpu_setup.sh || exit 1
 cp -r tests pytest.ini benchmarks train.py ds_configs /tmp/pkg/ && cd /tmp/pkg || exit 1
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
@@ -26,4 +27,10 @@ if [ "${LAYER_TIMEOUT:-240}" -gt 0 ]; then
   timeout ${LAYER_TIMEOUT:-240} python3 benchmarks/bench_layer.py --back_to_back 4 --reps 8 \
     --out $OUT/layer_retention_${card}_back_to_back.md > /tmp/bench_layer.log 2>&1; echo "layer bench rc=$?"
   grep -E "^\| (grouped|DeepSpeed|LRMoE)|^## " $OUT/layer_retention_${card}_back_to_back.md | cut -d'|' -f1-5,7,9
+fi
+if [ "${RETAINED_TIMEOUT:-0}" -gt 0 ]; then
+  timeout ${RETAINED_TIMEOUT} python3 benchmarks/bench_layer.py --back_to_back 4 --reps 8 --router_grad retained \
+    --ratios 1.0 0.5 0.25 --policies stash recompute --out $OUT/layer_retained_router_${card}_back_to_back.md \
+    > /tmp/bench_retained.log 2>&1; echo "retained-router layer bench rc=$?"
+  grep -E "^\| (LRMoE)|^## " $OUT/layer_retained_router_${card}_back_to_back.md | cut -d'|' -f1-5,7,9
 fi
