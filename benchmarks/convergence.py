@@ -29,7 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUN_NAMES = ("exact", "grad_norm", "uniform", "proportional", "threshold", "ramp")
+RUN_NAMES = ("exact", "grad_norm", "uniform", "proportional", "threshold", "ramp", "retained_router")
 
 
 def run_spec(run, args):
@@ -46,6 +46,9 @@ def run_spec(run, args):
     if run == "threshold":  # grad_norm sampling, one threshold over each rank's pairs instead of planned quotas
         return f"retention {ratio:g}, grad_norm, one threshold", {
             "enabled": True, "retention_ratio": ratio, "metric": "grad_norm", "quota_allocation": "threshold"}
+    if run == "retained_router":  # grad_norm sampling, the router's gradient from the retained pairs alone
+        return f"retention {ratio:g}, grad_norm, router gradient from the retained pairs", {
+            "enabled": True, "retention_ratio": ratio, "metric": "grad_norm", "router_grad": "retained"}
     if run == "ramp":
         if not args.steps:
             raise SystemExit("--runs ramp needs --steps")
