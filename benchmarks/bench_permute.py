@@ -35,6 +35,17 @@ def main():
         w = torch.rand(T, K, device="cuda")
         ms = median_ms(lambda: ops.unpermute(y, rop, w, backend="cuda"), reps=30, warmup=5)
         rows.append(("unpermute", f"T={T} K={K} H={H}", ms, (P * H * 2 + T * H * 2 + P * 12) / ms / 1e6))
+        # the retained backward's dx combine: half of each token's pairs at -1 (dropped), against K / 2 pairs
+        # that all have rows (the same bytes): a kernel that skips dropped pairs well runs as fast as the latter
+        dropped = torch.rand(T, K, device="cuda").argsort(1) < K // 2
+        rop_half = rop.masked_fill(dropped, -1)
+        ms = median_ms(lambda: ops.unpermute(y, rop_half, w, backend="cuda"), reps=30, warmup=5)
+        moved = P // 2 * H * 2 + T * H * 2 + P * 12
+        rows.append(("unpermute, half the pairs dropped", f"T={T} K={K} H={H}", ms, moved / ms / 1e6))
+        rop_k2 = torch.randperm(P, device="cuda")[: P // 2].view(T, K // 2)
+        ms = median_ms(lambda: ops.unpermute(y, rop_k2, w[:, : K // 2].contiguous(), backend="cuda"), reps=30,
+                       warmup=5)
+        rows.append(("unpermute", f"T={T} K={K // 2} H={H}", ms, (moved - P * 6) / ms / 1e6))
     lines = [f"# Permutation bandwidth on {dev}", "",
              "Command: `python3 benchmarks/bench_permute.py` (bf16; bytes = reads + writes; median of 30 CUDA-event timings of 5 back-to-back calls)", "",
              "| kernel | shape | ms | GB/s | % of copy |", "| --- | --- | --- | --- | --- |"]

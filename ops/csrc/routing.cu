@@ -85,28 +85,48 @@ __global__ void gather_scale_rows_kernel(const row_t* __restrict__ x, const inde
 }
 
 // One token per block: out[t, :] = sum_k w[t, k] * rows[row_of_pair[t, k], :], fp32 accumulation in k order;
-// a negative row index adds nothing (the row is not read, so 0 * inf cannot make a NaN).
+// a negative row index adds nothing (the row is not read, so 0 * inf cannot make a NaN). The first warp lists the
+// pairs that have a row, in k order, in shared memory (K entries of dynamic shared memory: int64 row, fp32
+// weight), so that each thread's loads run back to back over them alone: where the backward dropped half the
+// pairs, half the rounds of loads (skipping them in the loop kept the rounds of all K).
 template <typename row_t, typename weight_t, typename index_t, int VEC>
 __global__ void combine_kernel(const row_t* __restrict__ rows, const index_t* __restrict__ row_of_pair,
                                const weight_t* __restrict__ weight, row_t* __restrict__ out, int64_t P, int K,
                                int64_t H) {
   using Vec = typename std::conditional<VEC * sizeof(row_t) == 16, uint4, row_t>::type;
   static_assert(sizeof(Vec) == VEC * sizeof(row_t), "vector width");
+  extern __shared__ int64_t listed_row[];                   // [K], then the weights [K] as float
+  float* listed_weight = reinterpret_cast<float*>(listed_row + K);
+  __shared__ int num_listed;
   const int64_t t = blockIdx.x;
   const int64_t nvec = H / VEC;
-  const index_t* rp = row_of_pair + t * K;
-  const weight_t* wp = weight + t * K;
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    int n = 0;
+    for (int k0 = 0; k0 < K; k0 += 32) {
+      const int k = k0 + lane;
+      const int64_t r = k < K ? (int64_t)row_of_pair[t * K + k] : -1;
+      const unsigned has_row = __ballot_sync(0xffffffffu, r >= 0);
+      if (r >= 0) {
+        LRMOE_DEVICE_ASSERT(r < P, "unpermute: row_of_pair out of range [-1, P)");
+        const int at = n + __popc(has_row & ((1u << lane) - 1u));
+        listed_row[at] = r;
+        listed_weight[at] = to_float(weight[t * K + k]);
+      }
+      n += __popc(has_row);
+    }
+    if (lane == 0) num_listed = n;
+  }
+  __syncthreads();
+  const int n = num_listed;
   for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
     float acc[VEC];
 #pragma unroll
     for (int v = 0; v < VEC; ++v) acc[v] = 0.f;
 #pragma unroll 4
-    for (int k = 0; k < K; ++k) {
-      const int64_t r = rp[k];
-      if (r < 0) continue;  // the pair has no row (dropped in the backward): it adds nothing
-      LRMOE_DEVICE_ASSERT(r < P, "unpermute: row_of_pair out of range [-1, P)");
-      const float w = to_float(wp[k]);
-      const Vec raw = __ldg(reinterpret_cast<const Vec*>(rows + r * H) + c);
+    for (int j = 0; j < n; ++j) {
+      const float w = listed_weight[j];
+      const Vec raw = __ldg(reinterpret_cast<const Vec*>(rows + listed_row[j] * H) + c);
       const row_t* e = reinterpret_cast<const row_t*>(&raw);
 #pragma unroll
       for (int v = 0; v < VEC; ++v) acc[v] = fmaf(w, to_float(e[v]), acc[v]);
@@ -294,10 +314,13 @@ void unpermute(const void* rows, DType rtype, int64_t P, int64_t H, const void* 
         const auto* rp = static_cast<const index_t*>(row_of_pair);
         const auto* w = static_cast<const weight_t*>(weight);
         auto* o = static_cast<row_t*>(out);
+        const size_t listed = (size_t)K * (sizeof(int64_t) + sizeof(float));  // combine_kernel's list of pairs
         if (H % VEC == 0 && aligned16(rows) && aligned16(out))
-          combine_kernel<row_t, weight_t, index_t, VEC><<<(unsigned)T, threads_for(H / VEC), 0, stream>>>(r, rp, w, o, P, K, H);
+          combine_kernel<row_t, weight_t, index_t, VEC><<<(unsigned)T, threads_for(H / VEC), listed, stream>>>(
+              r, rp, w, o, P, K, H);
         else
-          combine_kernel<row_t, weight_t, index_t, 1><<<(unsigned)T, threads_for(H), 0, stream>>>(r, rp, w, o, P, K, H);
+          combine_kernel<row_t, weight_t, index_t, 1><<<(unsigned)T, threads_for(H), listed, stream>>>(
+              r, rp, w, o, P, K, H);
       });
     });
   });
