@@ -43,13 +43,13 @@ def stash_keeps_rows(may_drop: bool, ep_size: int) -> bool:
     return not (may_drop and ep_size == 1)
 
 
-def router_dots_from_rows(router_grad: str, may_drop: bool, dtype: torch.dtype, ep_size: int) -> bool:
+def router_dots_from_rows(may_drop: bool, dtype: torch.dtype, ep_size: int) -> bool:
     """Whether the exact router gradient <y_p, dout_t> comes from the rows the backward runs, as <a_p, da_p> / w_p
     (y = a W2^T, dy_p = w_p dout_t, da = dy W2), so that the expert outputs y [P, H] are not saved. Where no pair
     drops, every pair's a and da are made anyway. Not in fp16, whose narrow range would flush w_p dout_t of a small
     gate to zero (and its gate gradient with it); where w_p is 0 the dot is 0, as is the softmax's derivative.
     On one rank only: across ranks the dots would come back in an all-to-all of their own."""
-    return router_grad == "exact" and not may_drop and dtype != torch.float16 and ep_size == 1
+    return not may_drop and dtype != torch.float16 and ep_size == 1
 
 
 def _version_sum(tensors) -> int:
@@ -114,8 +114,7 @@ class RoutedMLP(torch.autograd.Function):
         stash = spec.policy == "stash"
         stash_rows = stash and stash_keeps_rows(spec.may_drop, dispatcher.ep_size)
         x_norm = _row_norms(x) if spec.may_drop and spec.metric == "grad_norm" else None
-        keep_y = spec.router_grad == "exact" and not router_dots_from_rows(spec.router_grad, spec.may_drop, x.dtype,
-                                                                         dispatcher.ep_size)
+        keep_y = spec.router_grad == "exact" and not router_dots_from_rows(spec.may_drop, x.dtype, dispatcher.ep_size)
         ctx.save_for_backward(None if stash_rows else x, rows if stash_rows else None, h if stash else None,
                               y_src if keep_y else None, topk_weight, x_norm)
         # The weights are leaf parameters: kept on ctx, not saved, which keeps saved-tensor hooks (offload) to

@@ -479,6 +479,10 @@ def test_exact_router_gradient_from_the_rows_saves_no_outputs(monkeypatch, polic
     """Where no pair drops, <y_p, dout_t> = <a_p, da_p> / w_p from the rows the backward runs: the forward keeps no
     expert outputs [P, H], and every gradient is the one from the saved outputs up to rounding."""
     from lrmoe_ds import pipeline
+    assert pipeline.router_dots_from_rows(False, torch.bfloat16, 1)
+    assert not pipeline.router_dots_from_rows(False, torch.float16, 1)  # its range would flush w_p dout_t
+    assert not pipeline.router_dots_from_rows(True, torch.bfloat16, 1)  # a dropped pair's dot needs y
+    assert not pipeline.router_dots_from_rows(False, torch.bfloat16, 2)  # no all-to-all of its own
     layer, x = make_layer(5)
     configure(layer, retention_ratio=1.0, policy=policy)
     held_rows = saved_bytes(layer, x)
@@ -491,9 +495,6 @@ def test_exact_router_gradient_from_the_rows_saves_no_outputs(monkeypatch, polic
     assert not torch.equal(g_rows[router], g_y[router])  # another route...
     for a, b in zip([dx_rows] + g_rows, [dx_y] + g_y):    # ...to the same gradients
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-15)
-    assert not pipeline.router_dots_from_rows("exact", False, torch.float16, 1)  # its range would flush w_p dout_t
-    assert not pipeline.router_dots_from_rows("exact", True, torch.bfloat16, 1)  # a dropped pair's dot needs y
-    assert not pipeline.router_dots_from_rows("exact", False, torch.bfloat16, 2)  # no all-to-all of its own
 
 
 def test_eval_and_disabled_run_exact():
