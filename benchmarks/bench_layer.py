@@ -75,6 +75,8 @@ def parse_args(argv=None):
     p.add_argument("--metric", choices=["grad_norm", "gate", "uniform"], default="grad_norm")
     p.add_argument("--allocations", nargs="+", choices=["waterfill", "proportional", "threshold"],
                    default=["waterfill"], help="quota_allocation of the enabled rows (each with every ratio)")
+    p.add_argument("--dropped_router_dots", nargs="+", choices=["saved", "recomputed"], default=["saved"],
+                   help="dropped_router_dots of the enabled rows (each with every ratio)")
     p.add_argument("--reps", type=int, default=15, help="timed forward + backward steps per row")
     p.add_argument("--back_to_back", type=int, default=1,
                    help="steps per timing: 1 (default) times one step from an idle, synchronised GPU, so the "
@@ -89,12 +91,15 @@ def row_specs(args):
     """(row name, layer kind, "lrmoe" block or None); rows of one kind are consecutive."""
     rows = [(ANCHOR, "anchor", None), (DEEPSPEED, "deepspeed", None), ("LRMoE exact (enabled false)", "lrmoe", {})]
     for allocation in args.allocations:
-        for policy in args.policies:
-            for r in args.ratios:
-                named = "" if allocation == "waterfill" else f", {allocation}"
-                rows.append((f"LRMoE retention {r:g}, {policy}{named}", "lrmoe",
-                             {"enabled": True, "retention_ratio": r, "policy": policy, "metric": args.metric,
-                              "router_grad": args.router_grad, "quota_allocation": allocation}))
+        for dots in args.dropped_router_dots:
+            for policy in args.policies:
+                for r in args.ratios:
+                    named = ("" if allocation == "waterfill" else f", {allocation}") + \
+                        ("" if dots == "saved" else ", dropped dots recomputed")
+                    rows.append((f"LRMoE retention {r:g}, {policy}{named}", "lrmoe",
+                                 {"enabled": True, "retention_ratio": r, "policy": policy, "metric": args.metric,
+                                  "router_grad": args.router_grad, "quota_allocation": allocation,
+                                  "dropped_router_dots": dots}))
     return rows
 
 

@@ -58,8 +58,15 @@ class LRMoEConfig(DeepSpeedConfigModel):
     is unbiased. false keeps the retained terms unweighted (biased; an ablation)."""
 
     router_grad: Literal["exact", "retained"] = "exact"
-    """"exact": the router's gradient from every pair, from expert outputs saved in the forward.
-    "retained": from the retained pairs alone (weighted like them); nothing per pair is saved for it."""
+    """"exact": the router's gradient from every pair. "retained": from the retained pairs alone (weighted
+    like them); nothing per pair is saved for it."""
+
+    dropped_router_dots: Literal["saved", "recomputed"] = "saved"
+    """Where the exact router gradient's <y_p, dout_t> of a dropped pair p comes from: "saved", the expert
+    outputs y [P, H] the forward keeps; "recomputed", the stash's pre-activations, <act(h_p), dout_t W2_e>,
+    through a down-projection dgrad over the dropped rows in the backward (more time, no y kept). Only
+    under the "stash" policy on one expert-parallel rank in bf16/fp32; elsewhere y is saved. (Where no pair
+    drops, every dot comes from the rows the backward runs and nothing is saved for it.)"""
 
     floor: float = Field(0.0, ge=0.0, le=1.0)
     """Minimum retained fraction of every expert's pairs, so that no expert starves. It wins over

@@ -196,7 +196,7 @@ class LRMoE(MoE):
         seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
         self.last_selection = {} if self.keep_last_selection else None
         spec = BackwardSpec(policy, cfg.router_grad, None, may_drop, cfg.metric, cfg.selection, cfg.rescale, seed,
-                            self.last_selection)
+                            self.last_selection, dropped_router_dots=cfg.dropped_router_dots)
         if may_drop:
             return spec, plan_backward
         # every pair kept: nothing to plan; on one rank the counts stay unread until the statistics are asked for

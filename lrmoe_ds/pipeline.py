@@ -43,13 +43,32 @@ def stash_keeps_rows(may_drop: bool, ep_size: int) -> bool:
     return not (may_drop and ep_size == 1)
 
 
-def router_dots_from_rows(may_drop: bool, dtype: torch.dtype, ep_size: int) -> bool:
-    """Whether the exact router gradient <y_p, dout_t> comes from the rows the backward runs, as <a_p, da_p> / w_p
-    (y = a W2^T, dy_p = w_p dout_t, da = dy W2), so that the expert outputs y [P, H] are not saved. Where no pair
-    drops, every pair's a and da are made anyway. Not in fp16, whose narrow range would flush w_p dout_t of a small
-    gate to zero (and its gate gradient with it); where w_p is 0 the dot is 0, as is the softmax's derivative.
-    On one rank only: across ranks the dots would come back in an all-to-all of their own."""
-    return not may_drop and dtype != torch.float16 and ep_size == 1
+def router_dots_from_rows(spec: BackwardSpec, dtype: torch.dtype, ep_size: int) -> bool:
+    """Whether the exact router gradient <y_p, dout_t> comes from rows the backward makes, so that the expert outputs
+    y [P, H] are not saved. A retained pair's is <a_p, da_p> / (dy_p's weight) (y = a W2^T, da = dy W2): where no
+    pair drops, every pair's a and da are made anyway. A dropped pair's is <act(h_p), dout_t W2_e>, from the stash's
+    h (``dropped_router_dots: "recomputed"``, see _dropped_pair_dots). Not in fp16, whose narrow range would flush
+    w_p dout_t of a small gate to zero (and its gate gradient with it); where w_p is 0 the dot is 0, as is the
+    softmax's derivative. On one rank only: across ranks the dots would come back in an all-to-all of their own."""
+    if dtype == torch.float16 or ep_size != 1:
+        return False
+    return not spec.may_drop or (spec.dropped_router_dots == "recomputed" and spec.policy == "stash")
+
+
+def _dropped_pair_dots(kept: torch.Tensor, kept_sizes: torch.Tensor, plan: DispatchPlan, h: torch.Tensor,
+                       dout: torch.Tensor, w2, expert_type):
+    """(the dropped pairs [Pd], their <y_p, dout_t> [Pd]) on one rank under the stash: y_p = a_p W2_e^T, so the dot
+    is <a_p, dout_t W2_e>, a down-projection dgrad over the dropped rows and their activations from the stashed h.
+    On one rank the send rows are the rows at the experts, grouped by expert: the dropped ones, in order, are
+    grouped too, (count - kept) to an expert."""
+    P, K = plan.order.numel(), plan.row_of_pair.shape[1]
+    is_kept = torch.zeros(P, dtype=torch.long, device=kept.device).index_fill_(0, kept, 1)
+    _, by_kept, _ = ops.routing_plan(is_kept, 2)   # a stable grouping: the dropped rows first, in order
+    dropped = by_kept[:P - kept.numel()]
+    dout_w2 = ops.grouped_linear_dgrad(ops.permute(dout, plan.order.index_select(0, dropped) // K), w2,
+                                       plan.group_sizes - kept_sizes)
+    _, _, dots = expert_type.act_backward(h, dout_w2, dropped, with_dot=True)
+    return plan.order.index_select(0, dropped), dots
 
 
 def _version_sum(tensors) -> int:
@@ -114,7 +133,7 @@ class RoutedMLP(torch.autograd.Function):
         stash = spec.policy == "stash"
         stash_rows = stash and stash_keeps_rows(spec.may_drop, dispatcher.ep_size)
         x_norm = _row_norms(x) if spec.may_drop and spec.metric == "grad_norm" else None
-        keep_y = spec.router_grad == "exact" and not router_dots_from_rows(spec.may_drop, x.dtype, dispatcher.ep_size)
+        keep_y = spec.router_grad == "exact" and not router_dots_from_rows(spec, x.dtype, dispatcher.ep_size)
         ctx.save_for_backward(None if stash_rows else x, rows if stash_rows else None, h if stash else None,
                               y_src if keep_y else None, topk_weight, x_norm)
         # The weights are leaf parameters: kept on ctx, not saved, which keeps saved-tensor hooks (offload) to
@@ -139,7 +158,7 @@ class RoutedMLP(torch.autograd.Function):
         want_router = ctx.needs_input_grad[1]
         exact_router = want_router and y_src is not None                # else <y, dy> from the rows, below
         shares, replicas = spec.shares, spec.replicas
-        d_weight = dy = None
+        d_weight = dy = dropped_dots = None
         if exact_router and shares is None:  # the combine's two gradients (dy_p = w_p dout_t) from one read of dout
             dy, d_weight = ops.unpermute_backward(y_src, plan.row_of_pair, topk_weight, dout)
             d_weight = d_weight.to(topk_weight.dtype)
@@ -184,6 +203,8 @@ class RoutedMLP(torch.autograd.Function):
                 dy, d_weight = ops.unpermute_backward(y_src, plan.row_of_pair, pair_weight, dout, kept_row_of_pair,
                                                       kept.numel())
                 d_weight = d_weight.to(topk_weight.dtype)
+            elif want_router and spec.router_grad == "exact":  # y not saved: the dropped pairs' dots from h
+                dropped_dots = _dropped_pair_dots(kept, kept_sizes, plan, h, dout, w2, ctx.expert_type)
 
         if dy is None:
             dy = ops.permute(dout, src, row_weight)                      # dy_p = w_p dout_t, one pass
@@ -213,12 +234,17 @@ class RoutedMLP(torch.autograd.Function):
             disp.return_replica_grads(replica_grads, exchange, (dw1, dw2))
 
         if want_y:
-            # <y_p, dy_p> = g_p w_p <y_p, dout_t>: divided by g_p, the retained pair's weighted gate gradient
+            # <y_p, dy_p> = r_p <y_p, dout_t>, r_p dy's weight (g_p, or g_p s_p with the sampling weight s_p): the
+            # exact gradient divides by r_p; the retained one by g_p alone, weighted like the pair's other terms
             # (g_p = 0 only where the gate underflowed, and then the router's own derivative vanishes too)
             dot = disp.from_experts(y_dot_dy.unsqueeze(1), splits).squeeze(1).to(topk_weight.dtype)
             pairs = plan.order if kept is None else kept_pairs
+            by = row_weight if spec.router_grad == "exact" else gate
             d_flat = torch.zeros(T * K, dtype=topk_weight.dtype, device=dout.device)
-            d_weight = d_flat.index_copy_(0, pairs, dot / gate.clamp_min(torch.finfo(gate.dtype).tiny)).view(T, K)
+            d_flat.index_copy_(0, pairs, dot / by.clamp_min(torch.finfo(by.dtype).tiny))
+            if dropped_dots is not None:
+                d_flat.index_copy_(0, dropped_dots[0], dropped_dots[1].to(topk_weight.dtype))
+            d_weight = d_flat.view(T, K)
 
         dx_src = disp.from_experts(dx_rows, splits)
         del dx_rows

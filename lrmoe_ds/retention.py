@@ -23,7 +23,8 @@ Selection = Literal["priority_sampling", "topk"]
 class BackwardSpec:
     """How one layer call's expert backward runs; made in the forward, read in the backward.
 
-    policy: "stash" or "recompute".  router_grad: "exact" or "retained".
+    policy: "stash" or "recompute".  router_grad: "exact" or "retained".  dropped_router_dots: "saved" or
+        "recomputed" (LRMoEConfig.dropped_router_dots).
     shares [R, E] int64 host or None: retained pairs from each source rank to each expert (None:
         every pair is kept, the exact backward). Set after the forward has queued its kernels.
     may_drop: whether the quotas can drop a pair (the forward then keeps ||x_t|| for the metric).
@@ -46,6 +47,7 @@ class BackwardSpec:
     replicas: Optional[ReplicaPlan] = None
     totals: Optional[List[int]] = None
     on_kept: Optional[Callable[[torch.Tensor], None]] = None
+    dropped_router_dots: str = "saved"
 
 
 def pair_metric(metric: Metric, gate: torch.Tensor, dout_norm: Optional[torch.Tensor],

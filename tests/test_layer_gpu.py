@@ -41,10 +41,12 @@ def test_bf16_layer_matches_fp64_reference(backend, activation):
     ops.set_default_backend("auto")
 
 
-@pytest.mark.parametrize("policy,router_grad,allocation", [("stash", "exact", "waterfill"),
-                                                            ("recompute", "retained", "waterfill"),
-                                                            ("stash", "exact", "threshold")])
-def test_bf16_retention_matches_reference_over_selected_pairs(policy, router_grad, allocation):
+@pytest.mark.parametrize("policy,router_grad,allocation,dots", [("stash", "exact", "waterfill", "saved"),
+                                                                 ("recompute", "retained", "waterfill", "saved"),
+                                                                 ("stash", "exact", "threshold", "saved"),
+                                                                 ("stash", "exact", "waterfill", "recomputed"),
+                                                                 ("stash", "exact", "threshold", "recomputed")])
+def test_bf16_retention_matches_reference_over_selected_pairs(policy, router_grad, allocation, dots):
     """Retention 0.5 on CUDA (CUDA ops where they build): the gradients are those of exactly the
     selected pairs (the fp64 reference of test_retention, fed with the CUDA run's selection)."""
     import copy
@@ -56,7 +58,8 @@ def test_bf16_retention_matches_reference_over_selected_pairs(policy, router_gra
     layer = layer.cuda().bfloat16()
     ref_layer.load_state_dict({k: v.double().cpu() for k, v in layer.state_dict().items()})
     layer.keep_last_selection = True
-    tr.configure(layer, retention_ratio=0.5, policy=policy, router_grad=router_grad, quota_allocation=allocation)
+    tr.configure(layer, retention_ratio=0.5, policy=policy, router_grad=router_grad, quota_allocation=allocation,
+                 dropped_router_dots=dots)
     xb = x.cuda().bfloat16().requires_grad_(True)
     out, _, _ = layer(xb)
     proj = torch.linspace(-1, 1, tr.T * tr.H, dtype=torch.float64).view(tr.T, tr.H)
@@ -70,9 +73,10 @@ def test_bf16_retention_matches_reference_over_selected_pairs(policy, router_gra
         assert rel(p.grad.cpu(), g) < 3e-2, n
 
 
-@pytest.mark.parametrize("retention,allocation", [(None, "waterfill"), (1.0, "waterfill"), (0.5, "waterfill"),
-                                                   (0.5, "threshold")])
-def test_no_host_synchronisation_on_one_gpu(retention, allocation):
+@pytest.mark.parametrize("retention,allocation,dots", [(None, "waterfill", "saved"), (1.0, "waterfill", "saved"),
+                                                        (0.5, "waterfill", "saved"), (0.5, "threshold", "saved"),
+                                                        (0.5, "waterfill", "recomputed")])
+def test_no_host_synchronisation_on_one_gpu(retention, allocation, dots):
     """On one GPU with the CUDA ops no step of the layer waits for the GPU's stream: the exact layer
     reads nothing back; with retention the forward waits once, on an event, for the early copy of the
     expert counts (after the experts' GEMMs are queued), which set_sync_debug_mode does not flag; at
@@ -82,7 +86,8 @@ def test_no_host_synchronisation_on_one_gpu(retention, allocation):
     torch.manual_seed(0)
     layer = lrmoe_ds.LRMoE(H, num_experts=E, k=K, ffn_hidden_size=F).cuda().bfloat16()
     if retention is not None:
-        layer.configure(lrmoe_ds.LRMoEConfig(enabled=True, retention_ratio=retention, quota_allocation=allocation))
+        layer.configure(lrmoe_ds.LRMoEConfig(enabled=True, retention_ratio=retention, quota_allocation=allocation,
+                                             dropped_router_dots=dots))
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     layer(x)[0].sum().backward()  # warm-up: the first training forward reads its step counter once
     torch.cuda.synchronize()

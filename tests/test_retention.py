@@ -323,20 +323,23 @@ def reference_retained_grads(layer, x, proj, pairs, scale, router_grad="exact", 
     return xr.grad, [wg.grad] + stacked   # layer.parameters() order
 
 
-@pytest.mark.parametrize("policy,router_grad,selection,allocation,activation",
-                         [("stash", "exact", "priority_sampling", "waterfill", "swiglu"),
-                          ("recompute", "exact", "priority_sampling", "waterfill", "swiglu"),
-                          ("stash", "retained", "priority_sampling", "waterfill", "swiglu"),
-                          ("recompute", "retained", "topk", "waterfill", "swiglu"),
-                          ("stash", "exact", "priority_sampling", "threshold", "swiglu"),
-                          ("recompute", "retained", "priority_sampling", "threshold", "swiglu"),
-                          ("stash", "exact", "priority_sampling", "waterfill", "gelu")])
-def test_gradients_are_those_of_the_selected_pairs(policy, router_grad, selection, allocation, activation):
+@pytest.mark.parametrize("policy,router_grad,selection,allocation,activation,dots",
+                         [("stash", "exact", "priority_sampling", "waterfill", "swiglu", "saved"),
+                          ("recompute", "exact", "priority_sampling", "waterfill", "swiglu", "saved"),
+                          ("stash", "retained", "priority_sampling", "waterfill", "swiglu", "saved"),
+                          ("recompute", "retained", "topk", "waterfill", "swiglu", "saved"),
+                          ("stash", "exact", "priority_sampling", "threshold", "swiglu", "saved"),
+                          ("recompute", "retained", "priority_sampling", "threshold", "swiglu", "saved"),
+                          ("stash", "exact", "priority_sampling", "waterfill", "gelu", "saved"),
+                          ("stash", "exact", "priority_sampling", "waterfill", "swiglu", "recomputed"),
+                          ("stash", "exact", "topk", "threshold", "swiglu", "recomputed"),
+                          ("stash", "exact", "priority_sampling", "proportional", "gelu", "recomputed")])
+def test_gradients_are_those_of_the_selected_pairs(policy, router_grad, selection, allocation, activation, dots):
     layer, x = make_layer(1, activation=activation)
     x[:, 0] = 3.0                      # a hot expert, so that its quota binds
     layer.keep_last_selection = True
     configure(layer, retention_ratio=0.5, policy=policy, router_grad=router_grad, selection=selection,
-              quota_allocation=allocation)
+              quota_allocation=allocation, dropped_router_dots=dots)
     dx, grads = layer_grads(layer, x, step=3)
     sel = layer.last_selection
     pairs, scale = sel["pairs"], sel["scale"]
@@ -479,10 +482,15 @@ def test_exact_router_gradient_from_the_rows_saves_no_outputs(monkeypatch, polic
     """Where no pair drops, <y_p, dout_t> = <a_p, da_p> / w_p from the rows the backward runs: the forward keeps no
     expert outputs [P, H], and every gradient is the one from the saved outputs up to rounding."""
     from lrmoe_ds import pipeline
-    assert pipeline.router_dots_from_rows(False, torch.bfloat16, 1)
-    assert not pipeline.router_dots_from_rows(False, torch.float16, 1)  # its range would flush w_p dout_t
-    assert not pipeline.router_dots_from_rows(True, torch.bfloat16, 1)  # a dropped pair's dot needs y
-    assert not pipeline.router_dots_from_rows(False, torch.bfloat16, 2)  # no all-to-all of its own
+    no_drop, may_drop = BackwardSpec(may_drop=False), BackwardSpec(may_drop=True)
+    assert pipeline.router_dots_from_rows(no_drop, torch.bfloat16, 1)
+    assert not pipeline.router_dots_from_rows(no_drop, torch.float16, 1)  # its range would flush w_p dout_t
+    assert not pipeline.router_dots_from_rows(may_drop, torch.bfloat16, 1)  # a dropped pair's dot needs y...
+    may_drop.dropped_router_dots = "recomputed"
+    assert pipeline.router_dots_from_rows(may_drop, torch.bfloat16, 1)  # ...or the stash's h
+    may_drop.policy = "recompute"
+    assert not pipeline.router_dots_from_rows(may_drop, torch.bfloat16, 1)  # (no h kept)
+    assert not pipeline.router_dots_from_rows(no_drop, torch.bfloat16, 2)  # no all-to-all of its own
     layer, x = make_layer(5)
     configure(layer, retention_ratio=1.0, policy=policy)
     held_rows = saved_bytes(layer, x)
@@ -495,6 +503,29 @@ def test_exact_router_gradient_from_the_rows_saves_no_outputs(monkeypatch, polic
     assert not torch.equal(g_rows[router], g_y[router])  # another route...
     for a, b in zip([dx_rows] + g_rows, [dx_y] + g_y):    # ...to the same gradients
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("allocation", ["waterfill", "threshold"])
+def test_recomputed_dropped_dots_keep_no_outputs(monkeypatch, allocation):
+    """dropped_router_dots "recomputed": at 0.5 the stash keeps no expert outputs [P, H], and every gradient is the
+    saved route's up to rounding (the same selection: its seed and metric do not depend on the route)."""
+    layer, x = make_layer(6)
+    x[:, 0] = 3.0
+    grads, held = {}, {}
+    for dots in ("saved", "recomputed"):
+        configure(layer, retention_ratio=0.5, policy="stash", quota_allocation=allocation, dropped_router_dots=dots)
+        held[dots] = saved_bytes(layer, x)
+        grads[dots] = layer_grads(layer, x, step=2)
+    assert held["saved"] - held["recomputed"] == T * K * H * 8
+    (dx_s, g_s), (dx_r, g_r) = grads["saved"], grads["recomputed"]
+    assert not torch.equal(g_s[0], g_r[0])            # the router's gradient by another route...
+    for a, b in zip([dx_s] + g_s, [dx_r] + g_r):      # ...to the same gradients
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-15)
+    held_recompute = []
+    for dots in ("saved", "recomputed"):  # under recompute no h is kept to remake y from: y is kept either way
+        configure(layer, retention_ratio=0.5, policy="recompute", dropped_router_dots=dots)
+        held_recompute.append(saved_bytes(layer, x))
+    assert held_recompute[0] == held_recompute[1]
 
 
 def test_eval_and_disabled_run_exact():
