@@ -528,6 +528,26 @@ def test_recomputed_dropped_dots_keep_no_outputs(monkeypatch, allocation):
     assert held_recompute[0] == held_recompute[1]
 
 
+def test_recomputed_dropped_dots_with_nothing_dropped(monkeypatch):
+    """The selection path with every quota >= count and dropped_router_dots "recomputed": no dropped rows (empty
+    groups, an empty dgrad), and the exact layer's gradients up to rounding."""
+    layer, x = make_layer()
+    dx_exact, grads_exact = layer_grads(layer, x)
+    configure(layer, retention_ratio=1.0, dropped_router_dots="recomputed")
+    real = layer._backward_spec
+
+    def forced(plan, dtype):
+        spec, _ = real(plan, dtype)
+        spec.may_drop = True
+        return spec, lambda spec: setattr(spec, "shares", plan.all_counts.clone())
+    monkeypatch.setattr(layer, "_backward_spec", forced)
+    layer.keep_last_selection = True
+    dx, grads = layer_grads(layer, x)
+    assert layer.last_selection["pairs"].numel() == T * K
+    for a, b in zip([dx] + grads, [dx_exact] + grads_exact):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-15)
+
+
 def test_eval_and_disabled_run_exact():
     layer, x = make_layer()
     configure(layer, retention_ratio=0.25)
