@@ -65,10 +65,10 @@ def _dropped_pair_dots(kept: torch.Tensor, kept_sizes: torch.Tensor, plan: Dispa
     is_kept = torch.zeros(P, dtype=torch.long, device=kept.device).index_fill_(0, kept, 1)
     _, by_kept, _ = ops.routing_plan(is_kept, 2)   # a stable grouping: the dropped rows first, in order
     dropped = by_kept[:P - kept.numel()]
-    dout_w2 = ops.grouped_linear_dgrad(ops.permute(dout, plan.order.index_select(0, dropped) // K), w2,
-                                       plan.group_sizes - kept_sizes)
+    dropped_pairs = plan.order.index_select(0, dropped)
+    dout_w2 = ops.grouped_linear_dgrad(ops.permute(dout, dropped_pairs // K), w2, plan.group_sizes - kept_sizes)
     _, _, dots = expert_type.act_backward(h, dout_w2, dropped, with_dot=True)
-    return plan.order.index_select(0, dropped), dots
+    return dropped_pairs, dots
 
 
 def _version_sum(tensors) -> int:

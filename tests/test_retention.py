@@ -276,6 +276,17 @@ def test_ratio_one_never_waits_for_the_counts(monkeypatch, allocation):
     assert len(reads) > before and int(layer.last_stats.quotas.sum()) == T * K
 
 
+def select_with_full_quotas(monkeypatch, layer):
+    """Makes ``layer``'s backward take the whole selection path with every quota = count (nothing dropped)."""
+    real = layer._backward_spec
+
+    def forced(plan, dtype):
+        spec, _ = real(plan, dtype)
+        spec.may_drop = True
+        return spec, lambda spec: setattr(spec, "shares", plan.all_counts.clone())
+    monkeypatch.setattr(layer, "_backward_spec", forced)
+
+
 def test_full_quota_selection_is_bit_exact(monkeypatch):
     # the whole selection path with every quota >= count keeps all pairs with weight 1 (the router's dots both
     # from the saved outputs: where nothing may drop they come from the rows instead, with rounding of their own)
@@ -284,13 +295,7 @@ def test_full_quota_selection_is_bit_exact(monkeypatch):
     layer, x = make_layer()
     dx_exact, grads_exact = layer_grads(layer, x)
     configure(layer, retention_ratio=1.0)
-    real = layer._backward_spec
-
-    def forced(plan, dtype):
-        spec, _ = real(plan, dtype)
-        spec.may_drop = True
-        return spec, lambda spec: setattr(spec, "shares", plan.all_counts.clone())
-    monkeypatch.setattr(layer, "_backward_spec", forced)
+    select_with_full_quotas(monkeypatch, layer)
     dx_one, grads_one = layer_grads(layer, x)
     assert torch.equal(dx_one, dx_exact) and all(torch.equal(a, b) for a, b in zip(grads_one, grads_exact))
 
@@ -534,13 +539,7 @@ def test_recomputed_dropped_dots_with_nothing_dropped(monkeypatch):
     layer, x = make_layer()
     dx_exact, grads_exact = layer_grads(layer, x)
     configure(layer, retention_ratio=1.0, dropped_router_dots="recomputed")
-    real = layer._backward_spec
-
-    def forced(plan, dtype):
-        spec, _ = real(plan, dtype)
-        spec.may_drop = True
-        return spec, lambda spec: setattr(spec, "shares", plan.all_counts.clone())
-    monkeypatch.setattr(layer, "_backward_spec", forced)
+    select_with_full_quotas(monkeypatch, layer)
     layer.keep_last_selection = True
     dx, grads = layer_grads(layer, x)
     assert layer.last_selection["pairs"].numel() == T * K
