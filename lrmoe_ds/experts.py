@@ -39,6 +39,11 @@ class SwiGLUExpert(nn.Module):
         out = ops.swiglu_backward(h, da, inplace=index is None, with_activation=True, index=index, with_dot=with_dot)
         return out if with_dot else (*out, None)
 
+    @staticmethod
+    def act_dot(h: torch.Tensor, dz: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """[M] <act(h[index[m]]), dz_m>: act_backward's dot alone (one fused kernel on CUDA, writing nothing else)."""
+        return ops.swiglu_dot(h, dz, index)
+
     def projections(self):
         return self.gate_up_proj.weight, self.down_proj.weight
 
@@ -68,6 +73,10 @@ class GELUExpert(nn.Module):
         a = F.gelu(h)
         dot = reference.row_dots(a, da) if with_dot else None
         return torch.ops.aten.gelu_backward(da, h), a, dot
+
+    @staticmethod
+    def act_dot(h: torch.Tensor, dz: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return reference.row_dots(F.gelu(h.index_select(0, index)), dz)
 
     def projections(self):
         return self.fc1.weight, self.fc2.weight

@@ -67,8 +67,7 @@ def _dropped_pair_dots(kept: torch.Tensor, kept_sizes: torch.Tensor, plan: Dispa
     dropped = by_kept[:P - kept.numel()]
     dropped_pairs = plan.order.index_select(0, dropped)
     dout_w2 = ops.grouped_linear_dgrad(ops.permute(dout, dropped_pairs // K), w2, plan.group_sizes - kept_sizes)
-    _, _, dots = expert_type.act_backward(h, dout_w2, dropped, with_dot=True)
-    return dropped_pairs, dots
+    return dropped_pairs, expert_type.act_dot(h, dout_w2, dropped)
 
 
 def _version_sum(tensors) -> int:

@@ -19,7 +19,7 @@ import torch
 from . import reference
 
 __all__ = ["routing_plan", "permute", "unpermute", "unpermute_weight_grad", "unpermute_backward", "swiglu",
-           "swiglu_backward",
+           "swiglu_backward", "swiglu_dot",
            "grouped_linear", "grouped_linear_dgrad",
            "grouped_linear_wgrad", "split_groups", "topk_retention", "priority_sample", "retained_pairs",
            "capacity_route", "router_topk",
@@ -140,6 +140,13 @@ def swiglu_backward(h: torch.Tensor, da: torch.Tensor, inplace: bool = False, wi
     if with_dot and not with_activation:
         raise ValueError("swiglu_backward: with_dot needs with_activation (the dot is <a_m, da_m>)")
     return _select("swiglu_backward", backend, h)(h, da, inplace, with_activation, index, with_dot)
+
+
+def swiglu_dot(h: torch.Tensor, dz: torch.Tensor, index: Optional[torch.Tensor] = None,
+               backend: Optional[str] = None) -> torch.Tensor:
+    """dot [M] = <swiglu(h)_m, dz_m> (float32, float64 for float64 inputs), h [M, 2F] or, with ``index`` [M] int64,
+    its rows index[m]; dz [M, F]. :func:`swiglu_backward`'s dot alone, without its dh and a."""
+    return _select("swiglu_dot", backend, h)(h, dz, index)
 
 
 def grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], group_sizes: torch.Tensor,

@@ -142,6 +142,15 @@ def swiglu_backward(h: torch.Tensor, da: torch.Tensor, inplace: bool = False, wi
     return (dh, a, dot) if with_dot else (dh, a) if with_activation else dh
 
 
+def swiglu_dot(h: torch.Tensor, dz: torch.Tensor, index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    h, dz = h.contiguous(), dz.contiguous()
+    if index is not None:
+        index = index.contiguous()
+    dot = h.new_empty(h.shape[0] if index is None else index.shape[0], dtype=torch.float32)
+    load().swiglu_dot(h, dz, index, dot)
+    return dot
+
+
 def _retention_inputs(name: str, scores: torch.Tensor, group_sizes: torch.Tensor, quotas: torch.Tensor):
     if scores.dim() != 1:
         raise ValueError(f"{name}: scores must be [P], got shape {tuple(scores.shape)}")

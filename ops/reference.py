@@ -151,6 +151,18 @@ def swiglu_backward(h: torch.Tensor, da: torch.Tensor, inplace: bool = False, wi
     return (dh, a, dot) if with_dot else (dh, a) if with_activation else dh
 
 
+def swiglu_dot(h: torch.Tensor, dz: torch.Tensor, index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[M] <swiglu(h)_m, dz_m>, a rounded to h's dtype and summed as :func:`row_dots` does: :func:`swiglu_backward`'s
+    dot alone. ``index`` [M] int64: h's rows index[m] (h [Mh, 2F])."""
+    if index is not None:
+        if index.dim() != 1 or index.dtype != torch.int64:
+            raise ValueError(f"swiglu_dot: index must be int64 [M], got {index.dtype} {tuple(index.shape)}")
+        h = h.index_select(0, index)
+    if h.dim() != 2 or h.shape[1] % 2 or tuple(dz.shape) != (h.shape[0], h.shape[1] // 2):
+        raise ValueError(f"swiglu_dot: h must be [M, 2F] and dz [M, F], got {tuple(h.shape)} and {tuple(dz.shape)}")
+    return row_dots(swiglu(h), dz)
+
+
 def _group_slices(group_sizes: torch.Tensor):
     start = 0
     for g, n in enumerate(group_sizes.tolist()):  # host read: the reference loops on the CPU

@@ -260,6 +260,24 @@ def test_swiglu_backward_dot_is_the_rows_dot_of_a_and_da(dtype):
         ops.swiglu_backward(h, da, with_dot=True, backend="torch")
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_swiglu_dot_is_the_backward_dot_alone(dtype):
+    """swiglu_dot: swiglu_backward's dot without its dh and a, bit for bit, from h's rows or indexed ones; a bad
+    index or a dz of the wrong shape is an error that names it."""
+    gen = torch.Generator().manual_seed(10)
+    h = (3 * torch.randn(7, 12, generator=gen, dtype=torch.float64)).to(dtype)
+    dz = torch.randn(7, 6, generator=gen, dtype=torch.float64).to(dtype)
+    index = torch.tensor([3, 3, 0, 6, 1, 2, 5])
+    for idx in (None, index):
+        expected = ref.swiglu_backward(h, dz, with_activation=True, index=idx, with_dot=True)[2]
+        assert torch.equal(ops.swiglu_dot(h, dz, idx, backend="torch"), expected)
+    assert not torch.equal(ops.swiglu_dot(h, dz, index, backend="torch"), ops.swiglu_dot(h, dz, backend="torch"))
+    with pytest.raises(ValueError, match="swiglu_dot: index must be int64"):
+        ops.swiglu_dot(h, dz, index.int(), backend="torch")
+    with pytest.raises(ValueError, match="swiglu_dot: h must be"):
+        ops.swiglu_dot(h, dz[:, :5], backend="torch")
+
+
 def test_swiglu_backward_reads_the_indexed_rows():
     """index: output row m from h[index[m]] (repeats and any order), the bits of a gather first; bad index errors."""
     gen = torch.Generator().manual_seed(8)

@@ -73,8 +73,8 @@ __global__ void swiglu_backward_kernel(const T* h, const T* __restrict__ da, T* 
 
 // swiglu_backward_kernel with a, plus dot[m] = <a_m, da_m> (a as rounded, fp32 sum): one warp per row, whose
 // lanes sum in a fixed order (deterministic). The router's gradient <y_m, dy_m> = <a_m, da_m> from this pass
-// instead of a read of a and da of its own.
-template <typename T, int VEC>
+// instead of a read of a and da of its own. WRITE false: the dot alone (dh and a unused), the same bits.
+template <typename T, int VEC, bool WRITE>
 __global__ void swiglu_backward_dot_kernel(const T* h, const T* __restrict__ da, T* dh, T* __restrict__ a,
                                            float* __restrict__ dot, int64_t M, int64_t F,
                                            const int64_t* __restrict__ index, int64_t Mh) {
@@ -90,9 +90,11 @@ __global__ void swiglu_backward_dot_kernel(const T* h, const T* __restrict__ da,
       P dg, du, act;
       backward_pack<T, VEC>(reinterpret_cast<const P*>(h + r * 2 * F)[c],
                             reinterpret_cast<const P*>(h + r * 2 * F + F)[c], d, dg, du, act);
-      reinterpret_cast<P*>(dh + m * 2 * F)[c] = dg;
-      reinterpret_cast<P*>(dh + m * 2 * F + F)[c] = du;
-      reinterpret_cast<P*>(a + m * F)[c] = act;
+      if constexpr (WRITE) {
+        reinterpret_cast<P*>(dh + m * 2 * F)[c] = dg;
+        reinterpret_cast<P*>(dh + m * 2 * F + F)[c] = du;
+        reinterpret_cast<P*>(a + m * F)[c] = act;
+      }
 #pragma unroll
       for (int v = 0; v < VEC; ++v) sum += to_float(act.v[v]) * to_float(d.v[v]);
     }
@@ -148,7 +150,7 @@ void swiglu_backward(const void* h, const void* da, DType dtype, int64_t M, int6
       const auto* hp = static_cast<const T*>(h);
       const auto* dap = static_cast<const T*>(da);
       if (dot != nullptr)
-        swiglu_backward_dot_kernel<T, VEC><<<blocks_for(M * 32, 256), 256, 0, stream>>>(
+        swiglu_backward_dot_kernel<T, VEC, true><<<blocks_for(M * 32, 256), 256, 0, stream>>>(
             hp, dap, static_cast<T*>(dh), static_cast<T*>(a), dot, M, F, index, Mh);
       else if (a != nullptr)
         swiglu_backward_kernel<T, VEC, true><<<blocks_for(n, 256), 256, 0, stream>>>(
@@ -159,6 +161,25 @@ void swiglu_backward(const void* h, const void* da, DType dtype, int64_t M, int6
     });
   });
   LRMOE_LAUNCH_CHECK("swiglu_backward");
+}
+
+void swiglu_dot(const void* h, const void* dz, DType dtype, int64_t M, int64_t F, float* dot, const int64_t* index,
+                int64_t Mh, cudaStream_t stream) {
+  if (M == 0) return;
+  if (F == 0) {
+    LRMOE_CUDA_CHECK(cudaMemsetAsync(dot, 0, M * sizeof(float), stream));
+    return;
+  }
+  dispatch_float(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const void* ptrs[] = {h, dz};
+    with_pack<T>(F, ptrs, 2, [&](auto vec) {
+      constexpr int VEC = decltype(vec)::value;
+      swiglu_backward_dot_kernel<T, VEC, false><<<blocks_for(M * 32, 256), 256, 0, stream>>>(
+          static_cast<const T*>(h), static_cast<const T*>(dz), nullptr, nullptr, dot, M, F, index, Mh);
+    });
+  });
+  LRMOE_LAUNCH_CHECK("swiglu_dot");
 }
 
 }  // namespace lrmoe

@@ -21,6 +21,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "dot[m] = <a_m, da_m> (fp32) if given",
         pybind11::arg("h"), pybind11::arg("da"), pybind11::arg("dh"), pybind11::arg("a") = pybind11::none(),
         pybind11::arg("index") = pybind11::none(), pybind11::arg("dot") = pybind11::none());
+  m.def("swiglu_dot", &lrmoe::swiglu_dot_op, "dot[m] = <swiglu(h[index[m]]), dz[m]> (fp32; h's rows in order without index)",
+        pybind11::arg("h"), pybind11::arg("dz"), pybind11::arg("index"), pybind11::arg("dot"));
   m.def("topk_retention", &lrmoe::topk_retention_op, "quota-aware top-k retention per group");
   m.def("priority_sample", &lrmoe::priority_sample_op,
         "priority sampling within quotas: keys metric / (1 - u), kept, kept_sizes, threshold, the kept pairs' weights",

@@ -49,6 +49,10 @@ void unpermute_weight_grad(const void* rows, DType rtype, int64_t P, int64_t H, 
 void swiglu(const void* h, DType dtype, int64_t M, int64_t F, void* a, cudaStream_t stream);
 void swiglu_backward(const void* h, const void* da, DType dtype, int64_t M, int64_t F, void* dh, void* a,
                      float* dot, const int64_t* index, int64_t Mh, cudaStream_t stream);
+// dot[m] = <swiglu(h[index[m]]) as rounded to h's dtype, dz_m> (fp32), dz [M, F]: swiglu_backward's dot alone, the
+// same bits, without its dh and a (the router's dot of a dropped pair, dz = dout W2).
+void swiglu_dot(const void* h, const void* dz, DType dtype, int64_t M, int64_t F, float* dot, const int64_t* index,
+                int64_t Mh, cudaStream_t stream);
 
 // Quota-aware top-k; see retention.cu. kept [P] (the first sum_g min(q_g, n_g) entries are written),
 // kept_sizes [G] int64, threshold [G] in scores' dtype, summary [3] int64 = (kept total, sum of

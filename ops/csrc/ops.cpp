@@ -181,22 +181,32 @@ void swiglu_op(const at::Tensor& h, at::Tensor& out) {
   swiglu(h.data_ptr(), dt, h.size(0), h.size(1) / 2, out.data_ptr(), stream());
 }
 
-void swiglu_backward_op(const at::Tensor& h, const at::Tensor& da, at::Tensor& dh, const c10::optional<at::Tensor>& a,
-                        const c10::optional<at::Tensor>& index, const c10::optional<at::Tensor>& dot) {
-  check_cuda(h, "swiglu_backward: h");
-  check_cuda(da, "swiglu_backward: da");
-  LRMOE_CHECK(h.dim() == 2 && h.size(1) % 2 == 0, "swiglu_backward: h must be [Mh, 2F], got shape ", h.sizes());
-  int64_t M = h.size(0);  // rows of the outputs: h's, or the index's
+namespace {
+// The rows M of a swiglu backward's outputs (h's, or the index's), with h [Mh, 2F], index and the gradient g [M, F]
+// checked.
+int64_t swiglu_backward_rows(const at::Tensor& h, const at::Tensor& g, const c10::optional<at::Tensor>& index,
+                             const char* op, const char* g_name) {
+  check_cuda(h, msg(op, ": h").c_str());
+  check_cuda(g, msg(op, ": ", g_name).c_str());
+  LRMOE_CHECK(h.dim() == 2 && h.size(1) % 2 == 0, op, ": h must be [Mh, 2F], got shape ", h.sizes());
+  int64_t M = h.size(0);
   if (index.has_value()) {
-    check_cuda(*index, "swiglu_backward: index");
+    check_cuda(*index, msg(op, ": index").c_str());
     LRMOE_CHECK(index->dim() == 1 && index->scalar_type() == at::kLong && index->device() == h.device(),
-                "swiglu_backward: index must be int64 [M] on ", h.device(), ", got ", index->scalar_type(), " ",
+                op, ": index must be int64 [M] on ", h.device(), ", got ", index->scalar_type(), " ",
                 index->sizes(), " on ", index->device());
     M = index->size(0);
   }
-  LRMOE_CHECK(da.dim() == 2 && da.size(0) == M && da.size(1) == h.size(1) / 2 && da.scalar_type() == h.scalar_type(),
-              "swiglu_backward: da must be [M, F] = [", M, ", ", h.size(1) / 2, "] in ", h.scalar_type(), ", got ",
-              da.scalar_type(), " ", da.sizes());
+  LRMOE_CHECK(g.dim() == 2 && g.size(0) == M && g.size(1) == h.size(1) / 2 && g.scalar_type() == h.scalar_type(),
+              op, ": ", g_name, " must be [M, F] = [", M, ", ", h.size(1) / 2, "] in ", h.scalar_type(), ", got ",
+              g.scalar_type(), " ", g.sizes());
+  return M;
+}
+}  // namespace
+
+void swiglu_backward_op(const at::Tensor& h, const at::Tensor& da, at::Tensor& dh, const c10::optional<at::Tensor>& a,
+                        const c10::optional<at::Tensor>& index, const c10::optional<at::Tensor>& dot) {
+  const int64_t M = swiglu_backward_rows(h, da, index, "swiglu_backward", "da");
   const DType dt = dtype_of(h, "swiglu_backward: h");
   check_out(dh, {M, h.size(1)}, h.scalar_type(), h, "swiglu_backward: dh");
   // dh is h itself (in place, without an index) or apart from it; nothing else may share memory
@@ -217,6 +227,17 @@ void swiglu_backward_op(const at::Tensor& h, const at::Tensor& da, at::Tensor& d
   swiglu_backward(h.data_ptr(), da.data_ptr(), dt, M, h.size(1) / 2, dh.data_ptr(),
                   a.has_value() ? a->data_ptr() : nullptr, dot.has_value() ? dot->data_ptr<float>() : nullptr,
                   index.has_value() ? index->data_ptr<int64_t>() : nullptr, h.size(0), stream());
+}
+
+void swiglu_dot_op(const at::Tensor& h, const at::Tensor& dz, const c10::optional<at::Tensor>& index, at::Tensor& dot) {
+  const int64_t M = swiglu_backward_rows(h, dz, index, "swiglu_dot", "dz");
+  const DType dt = dtype_of(h, "swiglu_dot: h");
+  check_out(dot, {M}, at::kFloat, h, "swiglu_dot: dot");
+  at::assert_no_overlap(dot, h);
+  at::assert_no_overlap(dot, dz);
+  const c10::cuda::CUDAGuard guard(h.device());
+  swiglu_dot(h.data_ptr(), dz.data_ptr(), dt, M, h.size(1) / 2, dot.data_ptr<float>(),
+             index.has_value() ? index->data_ptr<int64_t>() : nullptr, h.size(0), stream());
 }
 
 void topk_retention_op(const at::Tensor& scores, const at::Tensor& group_sizes, const at::Tensor& quotas,

@@ -40,6 +40,7 @@ void unpermute_backward_op(const at::Tensor& rows, const at::Tensor& row_of_pair
                            const c10::optional<at::Tensor>& d_row_of_pair);
 void swiglu_backward_op(const at::Tensor& h, const at::Tensor& da, at::Tensor& dh, const c10::optional<at::Tensor>& a,
                         const c10::optional<at::Tensor>& index, const c10::optional<at::Tensor>& dot);
+void swiglu_dot_op(const at::Tensor& h, const at::Tensor& dz, const c10::optional<at::Tensor>& index, at::Tensor& dot);
 void topk_retention_op(const at::Tensor& scores, const at::Tensor& group_sizes, const at::Tensor& quotas,
                        at::Tensor& kept, at::Tensor& kept_sizes, at::Tensor& threshold, at::Tensor& summary);
 void priority_sample_op(const at::Tensor& metric, const c10::optional<at::Tensor>& u, const at::Tensor& group_sizes,

@@ -88,6 +88,44 @@ def test_backward_dot_is_the_rows_dot(ext, M, F, dtype, indexed):
     assert torch.equal(ops.swiglu_backward(h, da, with_activation=True, index=index, with_dot=True, backend="cuda")[2], dot)
 
 
+@pytest.mark.parametrize("M,F,dtype,indexed", list(itertools.product([0, 1, 37, 4096], [5, 768, 1408], DTYPES,
+                                                                      [False, True])))
+def test_dot_alone_is_the_backward_dot(ext, M, F, dtype, indexed):
+    """swiglu_dot: the very bits of swiglu_backward's dot (the same kernel without its writes), every entry written
+    (NaN-poisoned first), h left as it is; and that dot is to fp32 accuracy the fp64 reference's over the rounded a
+    (the router's dot of a dropped pair, dz = dout W2)."""
+    gen = torch.Generator().manual_seed(M + 23 * F)
+    h = (4 * torch.randn(M + 3, 2 * F, generator=gen)).to(dtype).cuda()
+    index = torch.randint(0, M + 3, (M,), generator=gen).cuda() if indexed else None
+    h = h if indexed else h[:M].contiguous()
+    dz = torch.randn(M, F, generator=gen).to(dtype).cuda()
+    before = h.clone()
+    dot = torch.full((M,), float("nan"), device="cuda")
+    ext.swiglu_dot(h, dz, index, dot)
+    assert torch.equal(h, before)
+    assert torch.equal(dot, ops.swiglu_backward(h, dz, with_activation=True, index=index, with_dot=True,
+                                                backend="cuda")[2])
+    assert torch.equal(ops.swiglu_dot(h, dz, index, backend="cuda"), dot)
+    rows = h.cpu().double() if index is None else h.cpu().double()[index.cpu()]
+    a = reference.swiglu(rows).to(dtype).double()   # a as the kernel rounds it
+    expected = (a * dz.cpu().double()).sum(1)
+    scale = (a.abs() * dz.cpu().double().abs()).sum(1)
+    assert ((dot.cpu().double() - expected).abs() <= 1e-5 * scale + 1e-30).all()
+
+
+def test_dot_alone_rejects_bad_input(ext):
+    h, dz = torch.randn(6, 16, device="cuda"), torch.randn(4, 8, device="cuda")
+    index = torch.tensor([5, 0, 2, 2], device="cuda")
+    with pytest.raises(RuntimeError, match="swiglu_dot: dz must be"):
+        ext.swiglu_dot(h, dz, None, torch.empty(6, device="cuda"))
+    with pytest.raises(RuntimeError, match="swiglu_dot: index must be int64"):
+        ext.swiglu_dot(h, dz, index.int(), torch.empty(4, device="cuda"))
+    with pytest.raises(RuntimeError, match="swiglu_dot: dot must be"):
+        ext.swiglu_dot(h, dz, index, torch.empty(4, device="cuda", dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="swiglu_dot: h must be"):
+        ext.swiglu_dot(h[:, :15].contiguous(), dz, index, torch.empty(4, device="cuda"))
+
+
 def test_backward_dot_rejects_bad_input(ext):
     h, da = torch.randn(4, 16, device="cuda"), torch.randn(4, 8, device="cuda")
     dh = torch.empty_like(h)
