@@ -231,7 +231,7 @@ def report(rows, dense):
              f"Command: `python3 benchmarks/bench_grouped_gemm.py {' '.join(sys.argv[1:])}` (bf16, fp32 accumulation; "
              "median of 15 CUDA-event "
              "timings of 5 back-to-back calls each, torch._grouped_mm and every column of ours timed in turns with "
-             "the order rotating per timing, so that clock drift favours none; 5 single calls for the loop). Variants: kernel coop "
+             "the order shuffled per timing, so that clock drift favours none; 5 single calls for the loop). Variants: kernel coop "
              "(cooperative 128x256x64, torch._grouped_mm's, in every pass), pingpong (cooperative for forward and "
              "dgrad, ping-pong 128x128x64 for wgrad) (LRMOE_GEMM_CONFIG), raster "
              "order m|n and swizzle 1|2|4 (LRMOE_GEMM_RASTER, LRMOE_GEMM_SWIZZLE), m64 (ping-pong 64x256x64 for "

@@ -5,8 +5,8 @@ dropless layer on torch._grouped_mm (the anchor), LRMoE exact and LRMoE with ret
     python3 benchmarks/bench_layer.py --out benchmarks/results/layer_retention_h200.md
 
 Per row: median of CUDA-event timings of a full forward + backward, the rows of a table timed in turns
-(timing.median_ms_interleaved: each round times every row once, in an order rotating per round, so that a
-drift of the GPU's clocks favours no row; the .grad reset and the layer's reconfiguration before each step
+(timing.median_ms_interleaved: each round times every row once, in an order shuffled per round, so that a
+drift of the GPU's clocks favours no row, nor does a light row before it; the .grad reset and the layer's reconfiguration before each step
 are not timed; by default each timing is one step from an idle GPU, so the host's latency to the first
 kernel counts in full; `--back_to_back N` times N steps in a row instead); speed ratios
 (the anchor's, DeepSpeed's time / this time); the activation memory held after the forward and the

@@ -1,4 +1,5 @@
 """CUDA-event timing shared by the benchmarks (run as scripts, so they import it by name)."""
+import random
 import statistics
 
 import torch
@@ -30,9 +31,11 @@ def median_ms(fn, reps=10, warmup=2, inner=5, setup=None):
 
 
 def median_ms_interleaved(fns, reps=15, warmup=2, inner=5, setups=None):
-    """{name: median ms} for several functions timed in turns: each rep times every function once, the
-    order rotating from rep to rep. Timing one function's reps all before the next lets a drift of the
-    GPU's clocks (it heats up) favour whichever runs first; in turns, every one sees the same drift.
+    """{name: median ms} for several functions timed in turns: each rep times every function once, in an
+    order shuffled from rep to rep (seeded: the same orders every run). Timing one function's reps all before
+    the next lets a drift of the GPU's clocks (it heats up) favour whichever runs first; in turns, every one
+    sees the same drift. Shuffled, not rotated: a rotation keeps each function's predecessor, and one that
+    follows a light load (a slow layer that draws less power) would run at higher clocks every time.
     ``setups``: {name: callable} run before each of that function's timings (and warm-ups), untimed."""
     names = list(fns)
     setups = setups or {}
@@ -43,8 +46,8 @@ def median_ms_interleaved(fns, reps=15, warmup=2, inner=5, setups=None):
             fns[name]()
     torch.cuda.synchronize()
     times = {name: [] for name in names}
-    for rep in range(reps):
-        for i in range(len(names)):
-            name = names[(rep + i) % len(names)]
+    shuffler = random.Random(0)
+    for _ in range(reps):
+        for name in shuffler.sample(names, len(names)):
             times[name].append(_time_once(fns[name], inner, setups.get(name)))
     return {name: statistics.median(t) for name, t in times.items()}
