@@ -94,6 +94,8 @@ def row_specs(args):
         for dots in args.dropped_router_dots:
             for policy in args.policies:
                 for r in args.ratios:
+                    if dots == "recomputed" and (policy != "stash" or r >= 1):
+                        continue  # the saved rows' very path: nothing dropped, or no outputs saved anyway
                     named = ("" if allocation == "waterfill" else f", {allocation}") + \
                         ("" if dots == "saved" else ", dropped dots recomputed")
                     rows.append((f"LRMoE retention {r:g}, {policy}{named}", "lrmoe",
