@@ -7,6 +7,7 @@ host operators that ran during them (what the host was doing while the GPU waite
     python3 benchmarks/profile_layer.py --shape glm-4.5-air --tokens 16384 --ratio 0.5 > profile.txt
     python3 benchmarks/profile_layer.py --shape qwen3-30b-a3b --tokens 8192 --policies stash recompute \
         --trace /tmp/traces     # also keep each layer's Chrome trace (.json.gz) for chrome://tracing
+    python3 benchmarks/profile_layer.py --dropped_router_dots saved recomputed   # the two router-dot routes
 """
 import argparse
 import gzip
@@ -58,6 +59,8 @@ def main():
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--ratio", type=float, default=0.5)
     p.add_argument("--policies", nargs="+", choices=["stash", "recompute"], default=["stash"])
+    p.add_argument("--dropped_router_dots", nargs="+", choices=["saved", "recomputed"], default=["saved"],
+                   help="each with every policy (recomputed under stash alone: recompute saves no outputs anyway)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rows", type=int, default=25, help="kernels and operators listed per layer")
     p.add_argument("--trace", default=None, help="directory to keep each layer's Chrome trace in")
@@ -68,8 +71,10 @@ def main():
     x = torch.randn(args.tokens, H, device="cuda", dtype=torch.bfloat16)
     grad = torch.randn_like(x)
     cases = [("anchor", "anchor", None), ("LRMoE exact", "lrmoe", {})]
-    cases += [(f"LRMoE retention {args.ratio:g}, {policy}", "lrmoe",
-               {"enabled": True, "retention_ratio": args.ratio, "policy": policy}) for policy in args.policies]
+    cases += [(f"LRMoE retention {args.ratio:g}, {policy}" + ("" if dots == "saved" else ", dropped dots recomputed"),
+               "lrmoe", {"enabled": True, "retention_ratio": args.ratio, "policy": policy, "dropped_router_dots": dots})
+              for dots in args.dropped_router_dots for policy in args.policies
+              if dots == "saved" or policy == "stash"]
     tmp = tempfile.mkdtemp()
     for name, kind, block in cases:
         torch.manual_seed(0)
