@@ -4,6 +4,7 @@ forward: route -> plan -> dispatch -> experts -> combine; the backward runs back
 stages, the experts' backward on the retained pairs alone when the "lrmoe" block enables retention.
 """
 import hashlib
+from dataclasses import replace
 from typing import Literal, Optional, Tuple
 
 import torch
@@ -19,7 +20,7 @@ from lrmoe_ds.config import LRMoEConfig
 from lrmoe_ds.dispatcher import AllToAllDispatcher, DispatchPlan
 from lrmoe_ds.experts import EXPERT_TYPES, GroupedExperts
 from lrmoe_ds.placement import plan_with_replicas
-from lrmoe_ds.pipeline import ExpertWeights, RoutedMLP, WeightGrads, stash_keeps_rows
+from lrmoe_ds.pipeline import ExpertWeights, RoutedMLP, WeightGrads, router_dots_from_rows, stash_keeps_rows
 from lrmoe_ds.quotas import MemoryPlan, RetentionStats, expert_row_bytes, plan_quotas, rank_shares
 from lrmoe_ds.retention import BackwardSpec
 from lrmoe_ds.router import Router
@@ -163,9 +164,17 @@ class LRMoE(MoE):
         may_drop = ratio < 1.0 or max_rows is not None or replicas
         experts = self.deepspeed_moe.experts
         ffn = experts.weight2.shape[2]  # the second projection is [G, H, F]
-        stash_bytes, backward_bytes = expert_row_bytes(self.hidden_size, ffn, experts.expert_type.activation,
-                                                       torch.finfo(dtype).bits // 8,
-                                                       1 if stash_keeps_rows(may_drop, R) else self.k)
+        rank = dist.get_rank() if dist.is_initialized() else 0  # every rank samples its own pairs
+        key = f"{cfg.seed}/{self.layer_number}/{self._retention_step_host}/{rank}".encode()
+        seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+        self.last_selection = {} if self.keep_last_selection else None
+        spec = BackwardSpec(policy, cfg.router_grad, None, may_drop, cfg.metric, cfg.selection, cfg.rescale, seed,
+                            self.last_selection, dropped_router_dots=cfg.dropped_router_dots)
+        outputs_kept = tuple(cfg.router_grad == "exact" and not router_dots_from_rows(replace(spec, policy=p), dtype, R)
+                             for p in ("stash", "recompute"))
+        stash_bytes, recompute_bytes, backward_bytes = expert_row_bytes(
+            self.hidden_size, ffn, experts.expert_type.activation, torch.finfo(dtype).bits // 8, self.k,
+            not stash_keeps_rows(may_drop, R), outputs_kept)
 
         def plan_backward(spec: BackwardSpec) -> None:
             n = plan.all_counts.sum(0)
@@ -182,7 +191,8 @@ class LRMoE(MoE):
                 quotas = plan_quotas(n, ratio, R, cfg.floor, cfg.balance_factor, max_rows, cfg.quota_allocation)
             retained = quotas.view(R, -1).sum(1) if placed is None else placed.retained_per_rank()
             self.last_stats = RetentionStats(n, quotas, n.view(R, -1).sum(1), retained, policy, stash_bytes,
-                                             backward_bytes, 0 if placed is None else placed.replica_rows())
+                                             backward_bytes, 0 if placed is None else placed.replica_rows(),
+                                             recompute_bytes)
             if placed is not None:
                 spec.shares, spec.replicas = shares, placed
             elif totals is not None and (ratio < 1.0 or not torch.equal(quotas, n)):
@@ -191,17 +201,12 @@ class LRMoE(MoE):
             elif totals is None and not torch.equal(quotas, n):
                 spec.shares = rank_shares(quotas, plan.all_counts)
 
-        rank = dist.get_rank() if dist.is_initialized() else 0  # every rank samples its own pairs
-        key = f"{cfg.seed}/{self.layer_number}/{self._retention_step_host}/{rank}".encode()
-        seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
-        self.last_selection = {} if self.keep_last_selection else None
-        spec = BackwardSpec(policy, cfg.router_grad, None, may_drop, cfg.metric, cfg.selection, cfg.rescale, seed,
-                            self.last_selection, dropped_router_dots=cfg.dropped_router_dots)
         if may_drop:
             return spec, plan_backward
         # every pair kept: nothing to plan; on one rank the counts stay unread until the statistics are asked for
         rows = torch.tensor([plan.order.numel()]) if R == 1 else plan.all_counts.sum(0).view(R, -1).sum(1)
-        self.last_stats = RetentionStats(plan.host_counts, None, rows, rows.clone(), policy, stash_bytes, backward_bytes)
+        self.last_stats = RetentionStats(plan.host_counts, None, rows, rows.clone(), policy, stash_bytes, backward_bytes,
+                                         recompute_bytes_per_row=recompute_bytes)
         return spec, None
 
     def forward(self, hidden_states: torch.Tensor,

@@ -4,9 +4,11 @@ Memory model, in bytes per rank. Every measured number is the max over all ranks
 same plan (the quotas, and with them the backward all-to-all sizes, must agree across ranks):
   budget B   = budget_gib (or budget_fraction * total_memory()) - reserve_gib
   non-MoE N  = max(warm-up peak - smallest MoE estimate of a warm-up step, static)  (overestimates N)
-  MoE est.   = stash S (sum over layers of rows at the most loaded rank * stash_bytes_per_row, when stashing)
+  MoE est.   = held S (sum over layers of rows at the most loaded rank * the bytes the forward keeps per row under
+               the layer's policy: the stash, or recompute's token inputs; plus the expert outputs where the exact
+               router gradient keeps them, see quotas.expert_row_bytes)
                + backward W (largest layer's retained rows * backward_bytes_per_row: one backward at a time)
-  "auto"     stashes iff (S + W) * (1 + MARGIN) <= B - N; row cap = (B - N - stash kept) // backward_bytes_per_row
+  "auto"     stashes iff (S_stash + W) * (1 + MARGIN) <= B - N; row cap = (B - N - S kept) // backward_bytes_per_row
   over B     each layer's cap drops by ceil(excess * (1 + MARGIN) / backward_bytes_per_row) from the rows it used
 The config's floor wins over the cap (plan_quotas), so a cap is a request, not a guarantee.
 """
@@ -41,8 +43,8 @@ def optimizer_bytes(optimizer) -> tuple:
     return sum(_nbytes(t) for t in groups), state_bytes
 
 
-def _stash_bytes(s: RetentionStats) -> int:
-    return int(s.rows_per_rank.max()) * s.stash_bytes_per_row
+def _held_bytes(s: RetentionStats, policy: str) -> int:
+    return int(s.rows_per_rank.max()) * s.held_bytes_per_row(policy)
 
 
 def _backward_bytes(s: RetentionStats) -> int:
@@ -170,17 +172,18 @@ class MemoryPlanner:
             return self._install(plans, "peak over budget", {"budget": budget, "peak": peak, "excess": excess})
         non_moe = max(self.warmup_peak - (self.warmup_moe_bytes or 0), self.static_bytes)
         left = budget - non_moe
-        stash = int(sum(_stash_bytes(layer.last_stats) for layer in measured) * (1 + MARGIN))
+        held = {p: int(sum(_held_bytes(layer.last_stats, p) for layer in measured) * (1 + MARGIN))
+                for p in ("stash", "recompute")}
         backward = int(max((_backward_bytes(layer.last_stats) for layer in measured), default=0) * (1 + MARGIN))
         policy = self.config.policy
         if policy == "auto":
-            policy = "stash" if stash + backward <= left else "recompute"
-        room = left - stash if policy == "stash" else left  # what one layer's backward buffers may use
+            policy = "stash" if held["stash"] + backward <= left else "recompute"
+        room = left - held[policy]  # what one layer's backward buffers may use
         plans = [(layer, MemoryPlan(policy, max(1, room // max(1, layer.last_stats.backward_bytes_per_row))))
                  for layer in measured]
         numbers = {"budget": budget, "warmup_peak": self.warmup_peak, "warmup_moe": self.warmup_moe_bytes,
-                   "static": self.static_bytes, "non_moe": non_moe, "left": left, "stash": stash,
-                   "backward": backward}
+                   "static": self.static_bytes, "non_moe": non_moe, "left": left, "stash": held["stash"],
+                   "recompute_held": held["recompute"], "backward": backward}
         self._install(plans, "budget", numbers)
 
     def _unbounded_plan(self) -> MemoryPlan:
@@ -189,8 +192,7 @@ class MemoryPlanner:
     def _moe_bytes(self) -> int:
         """MoE bytes of the step just finished at its peak: the stashes, plus one layer's backward buffers."""
         stats = [layer.last_stats for layer in self.layers if layer.last_stats is not None]
-        stash = sum(_stash_bytes(s) for s in stats if s.policy == "stash")
-        return stash + max((_backward_bytes(s) for s in stats), default=0)
+        return sum(_held_bytes(s, s.policy) for s in stats) + max((_backward_bytes(s) for s in stats), default=0)
 
     def _install(self, plans: list, reason: str, numbers: dict) -> None:
         """plans: (layer, MemoryPlan) pairs (a list: layers need not be hashable)."""

@@ -6,7 +6,7 @@ backward's compacted all-to-all sizes follow from them.
 """
 import math
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, Optional, Tuple
 
 import torch
 
@@ -127,7 +127,8 @@ class RetentionStats:
         (summed when first read: a forward that keeps every pair passes the copy it started, so that nothing
         waits for it until the planner or the monitor asks).  quotas [E]: Q_e, or None: every pair kept.
     rows_per_rank / retained_per_rank [R]: routed / retained rows at each expert-parallel rank.
-    policy: the activation policy used.  stash_bytes_per_row: what "stash" keeps per routed row.
+    policy: the activation policy used.  stash_bytes_per_row / recompute_bytes_per_row: what the forward keeps per
+    routed row under "stash" / "recompute" (quotas.expert_row_bytes).
     backward_bytes_per_row: the expert backward's buffers per retained row (under this policy).
     replica_rows: retained rows that run on replicas (``replica_slots``), over all ranks.
     Under the "threshold" allocation the quotas are caps and the backward counts what it keeps
@@ -135,13 +136,19 @@ class RetentionStats:
     """
 
     def __init__(self, counts, quotas, rows_per_rank: torch.Tensor, retained_per_rank: torch.Tensor, policy: str,
-                 stash_bytes_per_row: int, backward_bytes_per_row: int, replica_rows: int = 0):
+                 stash_bytes_per_row: int, backward_bytes_per_row: int, replica_rows: int = 0,
+                 recompute_bytes_per_row: int = 0):
         self._counts, self._quotas = counts, quotas
         self.rows_per_rank, self.retained_per_rank = rows_per_rank, retained_per_rank
         self.policy, self.stash_bytes_per_row, self.backward_bytes_per_row = policy, stash_bytes_per_row, \
             backward_bytes_per_row
+        self.recompute_bytes_per_row = recompute_bytes_per_row
         self.replica_rows = replica_rows
         self.kept: Optional[HostCopy] = None
+
+    def held_bytes_per_row(self, policy: str) -> int:
+        """What the forward keeps per routed row under ``policy``."""
+        return self.stash_bytes_per_row if policy == "stash" else self.recompute_bytes_per_row
 
     @property
     def counts(self) -> torch.Tensor:
@@ -164,13 +171,20 @@ class RetentionStats:
         return self.quotas if self.kept is None else self.kept.get()
 
 
-def expert_row_bytes(hidden: int, ffn: int, activation: str, element_size: int, x_rows_per_token: int = 1):
-    """(stash bytes per routed row, backward buffer bytes per retained row) of a grouped expert MLP.
+def expert_row_bytes(hidden: int, ffn: int, activation: str, element_size: int, k: int, stash_x_per_token: bool,
+                     outputs_kept: Tuple[bool, bool]):
+    """(bytes the forward keeps per routed row under "stash", the same under "recompute", the backward's buffer
+    bytes per retained row) of a grouped expert MLP with top-``k`` routing.
 
-    stash keeps x [H] and the pre-activation h [F1] (F1 = 2F for SwiGLU) per row; where it keeps each token's x
-    once for its k rows instead (one rank, pairs may drop: see RoutedMLP), pass ``x_rows_per_token`` = k. The
-    backward holds per retained row dy [H], x and h (gathered or recomputed), a [F], da [F], dh [F1] and dx [H].
+    stash keeps x [H] and the pre-activation h [F1] (F1 = 2F for SwiGLU) per row, or each token's x once for its k
+    rows (``stash_x_per_token``: one rank, pairs may drop; see RoutedMLP); recompute keeps each token's x once. Where
+    ``outputs_kept`` (for stash, for recompute) the forward also keeps each row's expert output y [H], which the exact
+    router gradient reads (pipeline.router_dots_from_rows says where it does not). The backward holds per retained row
+    dy [H], x and h (gathered or recomputed), a [F], da [F], dh [F1] and dx [H].
     """
     f1 = 2 * ffn if activation == "swiglu" else ffn
-    x_bytes = -(-hidden * element_size // x_rows_per_token)  # ceil: never below what is kept
-    return x_bytes + f1 * element_size, (3 * hidden + 2 * f1 + 2 * ffn) * element_size
+    x_row, x_share = hidden * element_size, -(-hidden * element_size // k)  # ceil: never below what is kept
+    y_row = hidden * element_size
+    stash = (x_share if stash_x_per_token else x_row) + f1 * element_size + (y_row if outputs_kept[0] else 0)
+    recompute = x_share + (y_row if outputs_kept[1] else 0)
+    return stash, recompute, (3 * hidden + 2 * f1 + 2 * ffn) * element_size

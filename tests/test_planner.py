@@ -45,20 +45,20 @@ class RecordingMonitor:
 
 
 def stub_layer(number, config, counts=(400, 0, 600), quotas=(200, 0, 600), rows=(1000, 500), retained=(500, 250),
-               policy="stash"):
+               policy="stash", recompute_bpr=0):
     stats = RetentionStats(counts=torch.tensor(counts), quotas=torch.tensor(quotas), rows_per_rank=torch.tensor(rows),
                            retained_per_rank=torch.tensor(retained), policy=policy, stash_bytes_per_row=STASH_BPR,
-                           backward_bytes_per_row=BACKWARD_BPR)
+                           backward_bytes_per_row=BACKWARD_BPR, recompute_bytes_per_row=recompute_bpr)
     return SimpleNamespace(layer_number=number, lrmoe_config=config, memory_plan=MemoryPlan(), last_stats=stats)
 
 
-def warmed_up(config, peak=700 * MB, allocated=100 * MB, monitor=None):
+def warmed_up(config, peak=700 * MB, allocated=100 * MB, monitor=None, recompute_bpr=0):
     """Two stub layers; the planner measured `warmup_steps` steps of `peak` bytes and made its first plan.
 
     Per layer: stash 1000 rows * 100 kB = 100 MB, backward 500 rows * 200 kB = 100 MB; the warm-up's MoE
     estimate is 2 * 100 MB + 100 MB = 300 MB, so the non-MoE part of a 700 MB peak is 400 MB.
     """
-    layers = [stub_layer(0, config), stub_layer(1, config)]
+    layers = [stub_layer(0, config, recompute_bpr=recompute_bpr), stub_layer(1, config, recompute_bpr=recompute_bpr)]
     acc = FakeAccelerator(allocated=allocated)
     planner = MemoryPlanner(config, layers, accelerator=acc, monitor=monitor)
     planner.on_step(0)  # starts measuring
@@ -99,6 +99,16 @@ def test_auto_switches_to_recompute_when_stash_does_not_fit():
     # left = 644245094 - 400 MB = 244 MB < 330 MB (stash + backward with margin): recompute, no stash kept
     assert planner.plans[-1]["left"] == 244245094
     assert [layer.memory_plan for layer in layers] == [MemoryPlan("recompute", 244245094 // BACKWARD_BPR)] * 2
+
+
+def test_recompute_counts_what_it_keeps():
+    """Under recompute the forward still keeps the token inputs (and the expert outputs the exact router gradient
+    reads): their bytes come off the room for the backward's rows, as the stash's do under stash."""
+    planner, layers, _ = warmed_up(LRMoEConfig(policy="auto", budget_gib=0.6, reserve_gib=0, warmup_steps=2),
+                                   recompute_bpr=20_000)
+    plan = planner.plans[-1]  # 2 layers x 1000 rows at the most loaded rank x 20 kB, with the 10% margin
+    assert plan["recompute_held"] == 44 * MB and plan["left"] == 244245094
+    assert [layer.memory_plan for layer in layers] == [MemoryPlan("recompute", (244245094 - 44 * MB) // BACKWARD_BPR)] * 2
 
 
 def test_fixed_stash_policy_keeps_stash_and_floors_cap_at_one():

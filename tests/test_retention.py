@@ -467,6 +467,40 @@ def test_the_planners_stash_estimate_is_what_the_stash_keeps():
     assert held[1.0] - (held[0.5] - T * fp64) == T * K * (per_row[1.0] - per_row[0.5])
 
 
+HELD_CASES = [  # (policy, router_grad, retention ratio, dropped_router_dots)
+    ("stash", "exact", 1.0, "saved"), ("stash", "exact", 0.5, "saved"), ("stash", "exact", 0.5, "recomputed"),
+    ("stash", "retained", 0.5, "saved"), ("recompute", "exact", 1.0, "saved"), ("recompute", "exact", 0.5, "saved"),
+    ("recompute", "exact", 0.5, "recomputed"), ("recompute", "retained", 0.5, "saved")]
+
+
+def test_the_planners_held_estimate_is_what_the_forward_keeps():
+    """The bytes per routed row the planner counts for each policy are what the forward saves: against the 1.0 stash
+    with the retained router gradient, each case's saved bytes differ by T K times its estimate's difference (plus
+    ||x_t||, T floats, where pairs may drop). The expert outputs [H] count where the exact router gradient keeps
+    them (may drop, and not recomputed from the stash); recompute keeps each token's x once."""
+    layer, x = make_layer(5)
+    fp64 = 8
+
+    def measure(policy, router_grad, ratio, dots):
+        configure(layer, retention_ratio=ratio, policy=policy, router_grad=router_grad, dropped_router_dots=dots)
+        held = saved_bytes(layer, x)
+        layer_grads(layer, x)
+        assert layer.last_stats.policy == policy
+        return held, layer.last_stats.held_bytes_per_row(policy)
+
+    base_held, base_row = measure("stash", "retained", 1.0, "saved")
+    assert base_row == (H + 2 * F) * fp64
+    expected_row = {("stash", "exact", 0.5, "saved"): (H // K + 2 * F + H) * fp64,
+                    ("stash", "exact", 0.5, "recomputed"): (H // K + 2 * F) * fp64,
+                    ("recompute", "exact", 0.5, "saved"): (H // K + H) * fp64,
+                    ("recompute", "exact", 0.5, "recomputed"): (H // K + H) * fp64,  # recompute has no stash of h
+                    ("recompute", "exact", 1.0, "saved"): H // K * fp64}
+    for case in HELD_CASES:
+        held, row = measure(*case)
+        assert held - base_held == T * K * (row - base_row) + (T * fp64 if case[2] < 1 else 0), case
+        assert case not in expected_row or row == expected_row[case], (case, row)
+
+
 @pytest.mark.parametrize("ratio", [0.5, 1.0])
 def test_stash_of_x_gives_the_gradients_of_the_stash_of_rows(monkeypatch, ratio):
     """On one rank a stash that may drop pairs keeps x, not its rows at the experts; the backward's rows gathered
