@@ -61,12 +61,14 @@ class LRMoEConfig(DeepSpeedConfigModel):
     """"exact": the router's gradient from every pair. "retained": from the retained pairs alone (weighted
     like them); nothing per pair is saved for it."""
 
-    dropped_router_dots: Literal["saved", "recomputed"] = "saved"
+    dropped_router_dots: Literal["auto", "saved", "recomputed"] = "auto"
     """Where the exact router gradient's <y_p, dout_t> of a dropped pair p comes from: "saved", the expert
     outputs y [P, H] the forward keeps; "recomputed", the stash's pre-activations, <act(h_p), dout_t W2_e>,
     through a down-projection dgrad over the dropped rows in the backward (more time, no y kept). Only
-    under the "stash" policy on one expert-parallel rank in bf16/fp32; elsewhere y is saved. (Where no pair
-    drops, every dot comes from the rows the backward runs and nothing is saved for it.)"""
+    under the "stash" policy on one expert-parallel rank in bf16/fp32; elsewhere y is saved. "auto": saved,
+    unless the memory planner finds that the stash with y does not fit the budget and the one without y keeps
+    less than "recompute" would (or the policy is "stash"). (Where no pair drops, every dot comes from the rows
+    the backward runs and nothing is saved for it.)"""
 
     floor: float = Field(0.0, ge=0.0, le=1.0)
     """Minimum retained fraction of every expert's pairs, so that no expert starves. It wins over

@@ -162,19 +162,14 @@ class LRMoE(MoE):
         # factor cuts only where something was dropped): no quotas to plan, no host read of the counts, and x's
         # norms are not needed. (Replicas route even then: their selection keeps every pair, weight 1.)
         may_drop = ratio < 1.0 or max_rows is not None or replicas
-        experts = self.deepspeed_moe.experts
-        ffn = experts.weight2.shape[2]  # the second projection is [G, H, F]
         rank = dist.get_rank() if dist.is_initialized() else 0  # every rank samples its own pairs
         key = f"{cfg.seed}/{self.layer_number}/{self._retention_step_host}/{rank}".encode()
         seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
         self.last_selection = {} if self.keep_last_selection else None
+        dots = self.memory_plan.dropped_router_dots if cfg.dropped_router_dots == "auto" else cfg.dropped_router_dots
         spec = BackwardSpec(policy, cfg.router_grad, None, may_drop, cfg.metric, cfg.selection, cfg.rescale, seed,
-                            self.last_selection, dropped_router_dots=cfg.dropped_router_dots)
-        outputs_kept = tuple(cfg.router_grad == "exact" and not router_dots_from_rows(replace(spec, policy=p), dtype, R)
-                             for p in ("stash", "recompute"))
-        stash_bytes, recompute_bytes, backward_bytes = expert_row_bytes(
-            self.hidden_size, ffn, experts.expert_type.activation, torch.finfo(dtype).bits // 8, self.k,
-            not stash_keeps_rows(may_drop, R), outputs_kept)
+                            self.last_selection, dropped_router_dots=dots)
+        row_bytes = self._row_bytes(spec, dtype)
 
         def plan_backward(spec: BackwardSpec) -> None:
             n = plan.all_counts.sum(0)
@@ -190,9 +185,8 @@ class LRMoE(MoE):
             else:
                 quotas = plan_quotas(n, ratio, R, cfg.floor, cfg.balance_factor, max_rows, cfg.quota_allocation)
             retained = quotas.view(R, -1).sum(1) if placed is None else placed.retained_per_rank()
-            self.last_stats = RetentionStats(n, quotas, n.view(R, -1).sum(1), retained, policy, stash_bytes,
-                                             backward_bytes, 0 if placed is None else placed.replica_rows(),
-                                             recompute_bytes)
+            self.last_stats = RetentionStats(n, quotas, n.view(R, -1).sum(1), retained, policy,
+                                             replica_rows=0 if placed is None else placed.replica_rows(), **row_bytes)
             if placed is not None:
                 spec.shares, spec.replicas = shares, placed
             elif totals is not None and (ratio < 1.0 or not torch.equal(quotas, n)):
@@ -205,9 +199,25 @@ class LRMoE(MoE):
             return spec, plan_backward
         # every pair kept: nothing to plan; on one rank the counts stay unread until the statistics are asked for
         rows = torch.tensor([plan.order.numel()]) if R == 1 else plan.all_counts.sum(0).view(R, -1).sum(1)
-        self.last_stats = RetentionStats(plan.host_counts, None, rows, rows.clone(), policy, stash_bytes, backward_bytes,
-                                         recompute_bytes_per_row=recompute_bytes)
+        self.last_stats = RetentionStats(plan.host_counts, None, rows, rows.clone(), policy, **row_bytes)
         return spec, None
+
+    def _row_bytes(self, spec: BackwardSpec, dtype: torch.dtype) -> dict:
+        """RetentionStats' bytes per row (quotas.expert_row_bytes): what the forward keeps under each policy, the
+        expert outputs included where the exact router gradient keeps them (pipeline.router_dots_from_rows); under
+        ``"dropped_router_dots": "auto"`` the stash's with them saved, and with them recomputed where that differs."""
+        cfg, experts, R = self.lrmoe_config, self.deepspeed_moe.experts, self.ep_size
+
+        def row_bytes(dots):
+            kept = tuple(cfg.router_grad == "exact" and not router_dots_from_rows(
+                replace(spec, policy=policy, dropped_router_dots=dots), dtype, R) for policy in ("stash", "recompute"))
+            return expert_row_bytes(self.hidden_size, experts.weight2.shape[2], experts.expert_type.activation,
+                                    torch.finfo(dtype).bits // 8, self.k, not stash_keeps_rows(spec.may_drop, R), kept)
+        auto = cfg.dropped_router_dots == "auto"
+        stash, recompute, backward = row_bytes("saved" if auto else cfg.dropped_router_dots)
+        lean = row_bytes("recomputed")[0] if auto else stash
+        return dict(stash_bytes_per_row=stash, backward_bytes_per_row=backward, recompute_bytes_per_row=recompute,
+                    lean_stash_bytes_per_row=None if lean == stash else lean, dropped_router_dots=spec.dropped_router_dots)
 
     def forward(self, hidden_states: torch.Tensor,
                 used_token: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

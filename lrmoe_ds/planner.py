@@ -8,7 +8,10 @@ same plan (the quotas, and with them the backward all-to-all sizes, must agree a
                the layer's policy: the stash, or recompute's token inputs; plus the expert outputs where the exact
                router gradient keeps them, see quotas.expert_row_bytes)
                + backward W (largest layer's retained rows * backward_bytes_per_row: one backward at a time)
-  "auto"     stashes iff (S_stash + W) * (1 + MARGIN) <= B - N; row cap = (B - N - S kept) // backward_bytes_per_row
+  "auto"     stashes iff (S_stash + W) * (1 + MARGIN) <= B - N; else, where the config's "dropped_router_dots" is
+             "auto" and a stash without the expert outputs keeps less than "recompute", that stash; else recompute.
+             ("stash" with "auto" dots drops the outputs where the stash with them does not fit.)
+             Row cap = (B - N - S kept) // backward_bytes_per_row
   over B     each layer's cap drops by ceil(excess * (1 + MARGIN) / backward_bytes_per_row) from the rows it used
 The config's floor wins over the cap (plan_quotas), so a cap is a request, not a guarantee.
 """
@@ -43,8 +46,8 @@ def optimizer_bytes(optimizer) -> tuple:
     return sum(_nbytes(t) for t in groups), state_bytes
 
 
-def _held_bytes(s: RetentionStats, policy: str) -> int:
-    return int(s.rows_per_rank.max()) * s.held_bytes_per_row(policy)
+def _held_bytes(s: RetentionStats, policy: str, dots: str = "saved") -> int:
+    return int(s.rows_per_rank.max()) * s.held_bytes_per_row(policy, dots)
 
 
 def _backward_bytes(s: RetentionStats) -> int:
@@ -168,22 +171,27 @@ class MemoryPlanner:
                 if plan.max_rows_per_rank is not None:
                     used = min(used, plan.max_rows_per_rank)
                 drop = -(-int(excess * (1 + MARGIN)) // max(1, s.backward_bytes_per_row))  # ceil, in integers
-                plans.append((layer, MemoryPlan(plan.policy, max(1, used - drop))))
+                plans.append((layer, MemoryPlan(plan.policy, max(1, used - drop), plan.dropped_router_dots)))
             return self._install(plans, "peak over budget", {"budget": budget, "peak": peak, "excess": excess})
         non_moe = max(self.warmup_peak - (self.warmup_moe_bytes or 0), self.static_bytes)
         left = budget - non_moe
-        held = {p: int(sum(_held_bytes(layer.last_stats, p) for layer in measured) * (1 + MARGIN))
-                for p in ("stash", "recompute")}
+        held = {option: int(sum(_held_bytes(layer.last_stats, *option) for layer in measured) * (1 + MARGIN))
+                for option in (("stash", "saved"), ("stash", "recomputed"), ("recompute", "saved"))}
         backward = int(max((_backward_bytes(layer.last_stats) for layer in measured), default=0) * (1 + MARGIN))
+        stash_fits = held["stash", "saved"] + backward <= left
+        lean = held["stash", "recomputed"] < held["stash", "saved"]  # the outputs can go ("dropped_router_dots": "auto")
         policy = self.config.policy
-        if policy == "auto":
-            policy = "stash" if held["stash"] + backward <= left else "recompute"
-        room = left - held[policy]  # what one layer's backward buffers may use
-        plans = [(layer, MemoryPlan(policy, max(1, room // max(1, layer.last_stats.backward_bytes_per_row))))
+        if policy == "auto":  # the stash if it fits, else the lighter of recompute and the stash without the outputs
+            policy = "stash" if stash_fits or lean and held["stash", "recomputed"] <= held["recompute", "saved"] \
+                else "recompute"
+        option = (policy, "recomputed" if policy == "stash" and lean and not stash_fits else "saved")
+        room = left - held[option]  # what one layer's backward buffers may use
+        plans = [(layer, MemoryPlan(option[0], max(1, room // max(1, layer.last_stats.backward_bytes_per_row)), option[1]))
                  for layer in measured]
         numbers = {"budget": budget, "warmup_peak": self.warmup_peak, "warmup_moe": self.warmup_moe_bytes,
-                   "static": self.static_bytes, "non_moe": non_moe, "left": left, "stash": held["stash"],
-                   "recompute_held": held["recompute"], "backward": backward}
+                   "static": self.static_bytes, "non_moe": non_moe, "left": left, "stash": held["stash", "saved"],
+                   "stash_dots_recomputed": held["stash", "recomputed"], "recompute_held": held["recompute", "saved"],
+                   "backward": backward}
         self._install(plans, "budget", numbers)
 
     def _unbounded_plan(self) -> MemoryPlan:
@@ -192,7 +200,8 @@ class MemoryPlanner:
     def _moe_bytes(self) -> int:
         """MoE bytes of the step just finished at its peak: the stashes, plus one layer's backward buffers."""
         stats = [layer.last_stats for layer in self.layers if layer.last_stats is not None]
-        return sum(_held_bytes(s, s.policy) for s in stats) + max((_backward_bytes(s) for s in stats), default=0)
+        held = sum(_held_bytes(s, s.policy, s.dropped_router_dots) for s in stats)
+        return held + max((_backward_bytes(s) for s in stats), default=0)
 
     def _install(self, plans: list, reason: str, numbers: dict) -> None:
         """plans: (layer, MemoryPlan) pairs (a list: layers need not be hashable)."""
@@ -222,6 +231,8 @@ class MemoryPlanner:
                 if s.replica_rows:
                     events.append((f"{tag}/replica_rows", float(s.replica_rows), step))
             events.append((f"{tag}/policy_recompute", float(plan.policy == "recompute"), step))
+            if plan.dropped_router_dots == "recomputed":
+                events.append((f"{tag}/router_dots_recomputed", 1.0, step))
             if plan.max_rows_per_rank is not None:
                 events.append((f"{tag}/max_rows_per_rank", float(plan.max_rows_per_rank), step))
             if per_expert and s is not None:

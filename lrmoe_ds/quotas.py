@@ -20,9 +20,12 @@ class MemoryPlan:
     policy: what the forward keeps for the expert backward ("stash" or "recompute").
     max_rows_per_rank: retained backward rows that each expert-parallel rank may hold for this
         layer (its compacted backward buffers are sized by them); None: unbounded.
+    dropped_router_dots: where the exact router gradient's dots of dropped pairs come from under
+        ``"dropped_router_dots": "auto"`` ("saved" or "recomputed"; see LRMoEConfig).
     """
     policy: Literal["stash", "recompute"] = "stash"
     max_rows_per_rank: Optional[int] = None
+    dropped_router_dots: Literal["saved", "recomputed"] = "saved"
 
 
 def _level(n: torch.Tensor, budget: int) -> torch.Tensor:
@@ -127,8 +130,10 @@ class RetentionStats:
         (summed when first read: a forward that keeps every pair passes the copy it started, so that nothing
         waits for it until the planner or the monitor asks).  quotas [E]: Q_e, or None: every pair kept.
     rows_per_rank / retained_per_rank [R]: routed / retained rows at each expert-parallel rank.
-    policy: the activation policy used.  stash_bytes_per_row / recompute_bytes_per_row: what the forward keeps per
-    routed row under "stash" / "recompute" (quotas.expert_row_bytes).
+    policy, dropped_router_dots: the activation policy and the dropped pairs' router dots used.
+    stash_bytes_per_row / recompute_bytes_per_row: what the forward keeps per routed row under "stash" / "recompute"
+    (quotas.expert_row_bytes), the expert outputs included where the configured router gradient keeps them;
+    lean_stash_bytes_per_row: under "stash" with the dots recomputed instead, where "auto" may choose that (else None).
     backward_bytes_per_row: the expert backward's buffers per retained row (under this policy).
     replica_rows: retained rows that run on replicas (``replica_slots``), over all ranks.
     Under the "threshold" allocation the quotas are caps and the backward counts what it keeps
@@ -137,18 +142,24 @@ class RetentionStats:
 
     def __init__(self, counts, quotas, rows_per_rank: torch.Tensor, retained_per_rank: torch.Tensor, policy: str,
                  stash_bytes_per_row: int, backward_bytes_per_row: int, replica_rows: int = 0,
-                 recompute_bytes_per_row: int = 0):
+                 recompute_bytes_per_row: int = 0, lean_stash_bytes_per_row: Optional[int] = None,
+                 dropped_router_dots: str = "saved"):
         self._counts, self._quotas = counts, quotas
         self.rows_per_rank, self.retained_per_rank = rows_per_rank, retained_per_rank
         self.policy, self.stash_bytes_per_row, self.backward_bytes_per_row = policy, stash_bytes_per_row, \
             backward_bytes_per_row
-        self.recompute_bytes_per_row = recompute_bytes_per_row
+        self.recompute_bytes_per_row, self.lean_stash_bytes_per_row = recompute_bytes_per_row, lean_stash_bytes_per_row
+        self.dropped_router_dots = dropped_router_dots
         self.replica_rows = replica_rows
         self.kept: Optional[HostCopy] = None
 
-    def held_bytes_per_row(self, policy: str) -> int:
-        """What the forward keeps per routed row under ``policy``."""
-        return self.stash_bytes_per_row if policy == "stash" else self.recompute_bytes_per_row
+    def held_bytes_per_row(self, policy: str, dropped_router_dots: str = "saved") -> int:
+        """What the forward keeps per routed row under ``policy``, with the dots ``dropped_router_dots`` where
+        "auto" leaves that open."""
+        if policy != "stash":
+            return self.recompute_bytes_per_row
+        lean = dropped_router_dots == "recomputed" and self.lean_stash_bytes_per_row is not None
+        return self.lean_stash_bytes_per_row if lean else self.stash_bytes_per_row
 
     @property
     def counts(self) -> torch.Tensor:

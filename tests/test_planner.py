@@ -45,20 +45,21 @@ class RecordingMonitor:
 
 
 def stub_layer(number, config, counts=(400, 0, 600), quotas=(200, 0, 600), rows=(1000, 500), retained=(500, 250),
-               policy="stash", recompute_bpr=0):
+               policy="stash", recompute_bpr=0, lean_bpr=None):
     stats = RetentionStats(counts=torch.tensor(counts), quotas=torch.tensor(quotas), rows_per_rank=torch.tensor(rows),
                            retained_per_rank=torch.tensor(retained), policy=policy, stash_bytes_per_row=STASH_BPR,
-                           backward_bytes_per_row=BACKWARD_BPR, recompute_bytes_per_row=recompute_bpr)
+                           backward_bytes_per_row=BACKWARD_BPR, recompute_bytes_per_row=recompute_bpr,
+                           lean_stash_bytes_per_row=lean_bpr)
     return SimpleNamespace(layer_number=number, lrmoe_config=config, memory_plan=MemoryPlan(), last_stats=stats)
 
 
-def warmed_up(config, peak=700 * MB, allocated=100 * MB, monitor=None, recompute_bpr=0):
+def warmed_up(config, peak=700 * MB, allocated=100 * MB, monitor=None, recompute_bpr=0, lean_bpr=None):
     """Two stub layers; the planner measured `warmup_steps` steps of `peak` bytes and made its first plan.
 
     Per layer: stash 1000 rows * 100 kB = 100 MB, backward 500 rows * 200 kB = 100 MB; the warm-up's MoE
     estimate is 2 * 100 MB + 100 MB = 300 MB, so the non-MoE part of a 700 MB peak is 400 MB.
     """
-    layers = [stub_layer(0, config, recompute_bpr=recompute_bpr), stub_layer(1, config, recompute_bpr=recompute_bpr)]
+    layers = [stub_layer(n, config, recompute_bpr=recompute_bpr, lean_bpr=lean_bpr) for n in (0, 1)]
     acc = FakeAccelerator(allocated=allocated)
     planner = MemoryPlanner(config, layers, accelerator=acc, monitor=monitor)
     planner.on_step(0)  # starts measuring
@@ -109,6 +110,30 @@ def test_recompute_counts_what_it_keeps():
     plan = planner.plans[-1]  # 2 layers x 1000 rows at the most loaded rank x 20 kB, with the 10% margin
     assert plan["recompute_held"] == 44 * MB and plan["left"] == 244245094
     assert [layer.memory_plan for layer in layers] == [MemoryPlan("recompute", (244245094 - 44 * MB) // BACKWARD_BPR)] * 2
+
+
+@pytest.mark.parametrize("policy, lean_kb, budget_gib, expected", [
+    ("auto", 30, 0.6, ("stash", 66, "recomputed")),     # the stash without the outputs keeps less than recompute
+    ("auto", 50, 0.6, ("recompute", 88, "saved")),      # ... or more
+    ("auto", None, 0.6, ("recompute", 88, "saved")),    # the outputs cannot go (saved by config, or no drops)
+    ("stash", 50, 0.6, ("stash", 110, "recomputed")),   # a fixed stash drops its outputs where it does not fit
+    ("auto", 30, 1.0, ("stash", 220, "saved")),         # the stash with the outputs fits: it is the fastest
+    ("recompute", 30, 0.6, ("recompute", 88, "saved"))])
+def test_the_stash_without_expert_outputs_where_the_budget_needs_it(policy, lean_kb, budget_gib, expected):
+    """"dropped_router_dots": "auto": where the stash with the exact router gradient's expert outputs does not fit,
+    the planner takes the stash that recomputes the dropped pairs' dots instead, if that keeps less than recompute
+    (or the policy is stash); the bytes it keeps come off the backward's room and the monitor says so."""
+    monitor = RecordingMonitor()
+    config = LRMoEConfig(policy=policy, budget_gib=budget_gib, reserve_gib=0, warmup_steps=2)
+    planner, layers, _ = warmed_up(config, recompute_bpr=40_000, monitor=monitor,
+                                   lean_bpr=None if lean_kb is None else lean_kb * 1000)
+    plan = planner.plans[-1]
+    want_policy, held_mb, dots = expected
+    left = plan["left"]  # 2 layers x 1000 rows x the bytes per row, with the 10% margin
+    assert [layer.memory_plan for layer in layers] == \
+        [MemoryPlan(want_policy, (left - held_mb * MB) // BACKWARD_BPR, dots)] * 2
+    planner.on_step(3)
+    assert monitor.named(step=3).get("lrmoe/layer0/router_dots_recomputed") == (1.0 if dots == "recomputed" else None)
 
 
 def test_fixed_stash_policy_keeps_stash_and_floors_cap_at_one():

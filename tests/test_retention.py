@@ -501,6 +501,28 @@ def test_the_planners_held_estimate_is_what_the_forward_keeps():
         assert case not in expected_row or row == expected_row[case], (case, row)
 
 
+def test_auto_router_dots_follow_the_memory_plan():
+    """"dropped_router_dots": "auto" (the default) saves the expert outputs until the memory plan says otherwise; then
+    the layer is the "recomputed" one, bit for bit and byte for byte; its statistics give the planner both stashes."""
+    layer, x = make_layer(6)
+    results = {}
+    for dots, planned in (("saved", "saved"), ("recomputed", "saved"), ("auto", "saved"), ("auto", "recomputed")):
+        configure(layer, retention_ratio=0.5, policy="stash", dropped_router_dots=dots)
+        layer.memory_plan = MemoryPlan("stash", None, planned)
+        held = saved_bytes(layer, x)
+        results[dots, planned] = held, layer_grads(layer, x, step=2), layer.last_stats
+    for auto, fixed in ((("auto", "saved"), ("saved", "saved")), (("auto", "recomputed"), ("recomputed", "saved"))):
+        assert results[auto][0] == results[fixed][0], (auto, fixed)
+        dx, grads = results[auto][1]
+        assert torch.equal(dx, results[fixed][1][0]) and all(map(torch.equal, grads, results[fixed][1][1]))
+        assert results[auto][2].dropped_router_dots == fixed[0]
+    assert results["auto", "saved"][0] - results["recomputed", "saved"][0] == T * K * H * 8  # the outputs [P, H]
+    stats = results["auto", "saved"][2]
+    assert stats.held_bytes_per_row("stash", "saved") == results["saved", "saved"][2].stash_bytes_per_row
+    assert stats.held_bytes_per_row("stash", "recomputed") == results["recomputed", "saved"][2].stash_bytes_per_row
+    assert results["saved", "saved"][2].lean_stash_bytes_per_row is None  # fixed by the config: no choice left
+
+
 @pytest.mark.parametrize("ratio", [0.5, 1.0])
 def test_stash_of_x_gives_the_gradients_of_the_stash_of_rows(monkeypatch, ratio):
     """On one rank a stash that may drop pairs keeps x, not its rows at the experts; the backward's rows gathered
