@@ -136,6 +136,36 @@ def test_the_stash_without_expert_outputs_where_the_budget_needs_it(policy, lean
     assert monitor.named(step=3).get("lrmoe/layer0/router_dots_recomputed") == (1.0 if dots == "recomputed" else None)
 
 
+def test_real_layer_under_a_budget_keeps_the_stash_without_its_expert_outputs():
+    """A real layer (fp64, CPU; 2F < H, so the stash without the exact router gradient's expert outputs keeps less
+    than recompute's token inputs and outputs) under "auto" and a budget the stash with the outputs exceeds: the
+    planner's first plan keeps the stash and recomputes the dropped pairs' dots, and the layer's next step does."""
+    import lrmoe_ds
+    torch.manual_seed(0)
+    H, F, T, k = 16, 4, 64, 2
+    layer = lrmoe_ds.LRMoE(H, num_experts=4, k=k, ffn_hidden_size=F).double()
+    config = LRMoEConfig(enabled=True, retention_ratio=0.5, policy="auto", budget_gib=70_000 / GIB, reserve_gib=0,
+                         warmup_steps=1)
+    layer.configure(config)
+    planner = MemoryPlanner(config, [layer], accelerator=FakeAccelerator())
+    x = torch.randn(T, H, dtype=torch.float64)
+
+    def step(n):
+        planner.on_step(n)
+        layer(x.clone().requires_grad_(True))[0].sum().backward()
+    step(0)
+    stats = layer.last_stats  # per routed row, fp64: stash x/k + h + y, without y, recompute x/k + y
+    assert (stats.stash_bytes_per_row, stats.lean_stash_bytes_per_row, stats.recompute_bytes_per_row) == \
+        ((H // k + 2 * F + H) * 8, (H // k + 2 * F) * 8, (H // k + H) * 8)
+    step(1)  # the warm-up step measured: the first plan
+    plan = planner.plans[-1]
+    assert plan["stash"] + plan["backward"] > plan["left"] >= plan["stash_dots_recomputed"] + plan["backward"]
+    assert layer.memory_plan == MemoryPlan("stash", (plan["left"] - plan["stash_dots_recomputed"]) //
+                                           stats.backward_bytes_per_row, "recomputed")
+    step(2)
+    assert layer.last_stats.dropped_router_dots == "recomputed" and layer.last_stats.policy == "stash"
+
+
 def test_fixed_stash_policy_keeps_stash_and_floors_cap_at_one():
     _, layers, _ = warmed_up(LRMoEConfig(policy="stash", budget_gib=0.6, reserve_gib=0, warmup_steps=2))
     assert layers[0].memory_plan == MemoryPlan("stash", (244245094 - 220 * MB) // BACKWARD_BPR)
