@@ -217,7 +217,8 @@ class LRMoE(MoE):
         stash, recompute, backward = row_bytes("saved" if auto else cfg.dropped_router_dots)
         lean = row_bytes("recomputed")[0] if auto else stash
         return dict(stash_bytes_per_row=stash, backward_bytes_per_row=backward, recompute_bytes_per_row=recompute,
-                    lean_stash_bytes_per_row=None if lean == stash else lean, dropped_router_dots=spec.dropped_router_dots)
+                    lean_stash_bytes_per_row=None if lean == stash else lean,
+                    dropped_router_dots=spec.dropped_router_dots)
 
     def forward(self, hidden_states: torch.Tensor,
                 used_token: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -179,15 +179,15 @@ class MemoryPlanner:
                 for option in (("stash", "saved"), ("stash", "recomputed"), ("recompute", "saved"))}
         backward = int(max((_backward_bytes(layer.last_stats) for layer in measured), default=0) * (1 + MARGIN))
         stash_fits = held["stash", "saved"] + backward <= left
-        lean = held["stash", "recomputed"] < held["stash", "saved"]  # the outputs can go ("dropped_router_dots": "auto")
+        lean = held["stash", "recomputed"] < held["stash", "saved"]  # the outputs can go (router dots "auto")
         policy = self.config.policy
         if policy == "auto":  # the stash if it fits, else the lighter of recompute and the stash without the outputs
             policy = "stash" if stash_fits or lean and held["stash", "recomputed"] <= held["recompute", "saved"] \
                 else "recompute"
         option = (policy, "recomputed" if policy == "stash" and lean and not stash_fits else "saved")
         room = left - held[option]  # what one layer's backward buffers may use
-        plans = [(layer, MemoryPlan(option[0], max(1, room // max(1, layer.last_stats.backward_bytes_per_row)), option[1]))
-                 for layer in measured]
+        plans = [(layer, MemoryPlan(option[0], max(1, room // max(1, layer.last_stats.backward_bytes_per_row)),
+                                    option[1])) for layer in measured]
         numbers = {"budget": budget, "warmup_peak": self.warmup_peak, "warmup_moe": self.warmup_moe_bytes,
                    "static": self.static_bytes, "non_moe": non_moe, "left": left, "stash": held["stash", "saved"],
                    "stash_dots_recomputed": held["stash", "recomputed"], "recompute_held": held["recompute", "saved"],

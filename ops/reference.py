@@ -122,6 +122,13 @@ def row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.to(acc) * b.to(acc)).sum(1)
 
 
+def _indexed_rows(name: str, h: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """h's rows index[m] (an index out of h's rows raises in index_select)."""
+    if index.dim() != 1 or index.dtype != torch.int64:
+        raise ValueError(f"{name}: index must be int64 [M], got {index.dtype} {tuple(index.shape)}")
+    return h.index_select(0, index)
+
+
 def swiglu_backward(h: torch.Tensor, da: torch.Tensor, inplace: bool = False, with_activation: bool = False,
                     index: Optional[torch.Tensor] = None, with_dot: bool = False):
     """dh [M, 2F] of :func:`swiglu` from h and da [M, F]; computed in the wider of h's dtype and float32.
@@ -136,9 +143,7 @@ def swiglu_backward(h: torch.Tensor, da: torch.Tensor, inplace: bool = False, wi
     if index is not None:
         if inplace:
             raise ValueError("swiglu_backward: inplace writes over h's own rows; it takes no index")
-        if index.dim() != 1 or index.dtype != torch.int64:
-            raise ValueError(f"swiglu_backward: index must be int64 [M], got {index.dtype} {tuple(index.shape)}")
-        h = h.index_select(0, index)  # an index out of h's rows raises here
+        h = _indexed_rows("swiglu_backward", h, index)
     acc = torch.promote_types(h.dtype, torch.float32)
     gate, up = h.to(acc).chunk(2, dim=-1)
     da = da.to(acc)
@@ -155,9 +160,7 @@ def swiglu_dot(h: torch.Tensor, dz: torch.Tensor, index: Optional[torch.Tensor] 
     """[M] <swiglu(h)_m, dz_m>, a rounded to h's dtype and summed as :func:`row_dots` does: :func:`swiglu_backward`'s
     dot alone. ``index`` [M] int64: h's rows index[m] (h [Mh, 2F])."""
     if index is not None:
-        if index.dim() != 1 or index.dtype != torch.int64:
-            raise ValueError(f"swiglu_dot: index must be int64 [M], got {index.dtype} {tuple(index.shape)}")
-        h = h.index_select(0, index)
+        h = _indexed_rows("swiglu_dot", h, index)
     if h.dim() != 2 or h.shape[1] % 2 or tuple(dz.shape) != (h.shape[0], h.shape[1] // 2):
         raise ValueError(f"swiglu_dot: h must be [M, 2F] and dz [M, F], got {tuple(h.shape)} and {tuple(dz.shape)}")
     return row_dots(swiglu(h), dz)

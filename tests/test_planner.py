@@ -109,7 +109,8 @@ def test_recompute_counts_what_it_keeps():
                                    recompute_bpr=20_000)
     plan = planner.plans[-1]  # 2 layers x 1000 rows at the most loaded rank x 20 kB, with the 10% margin
     assert plan["recompute_held"] == 44 * MB and plan["left"] == 244245094
-    assert [layer.memory_plan for layer in layers] == [MemoryPlan("recompute", (244245094 - 44 * MB) // BACKWARD_BPR)] * 2
+    assert [layer.memory_plan for layer in layers] == \
+        [MemoryPlan("recompute", (244245094 - 44 * MB) // BACKWARD_BPR)] * 2
 
 
 @pytest.mark.parametrize("policy, lean_kb, budget_gib, expected", [
