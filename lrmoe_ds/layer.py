@@ -4,7 +4,6 @@ forward: route -> plan -> dispatch -> experts -> combine; the backward runs back
 stages, the experts' backward on the retained pairs alone when the "lrmoe" block enables retention.
 """
 import hashlib
-from dataclasses import replace
 from typing import Literal, Optional, Tuple
 
 import torch
@@ -207,12 +206,13 @@ class LRMoE(MoE):
         expert outputs included where the exact router gradient keeps them (pipeline.router_dots_from_rows); under
         ``"dropped_router_dots": "auto"`` the stash's with them saved, and with them recomputed where that differs."""
         cfg, experts, R = self.lrmoe_config, self.deepspeed_moe.experts, self.ep_size
+        shape = (self.hidden_size, experts.weight2.shape[2], experts.expert_type.activation, dtype.itemsize, self.k,
+                 not stash_keeps_rows(spec.may_drop, R))  # the second projection is [G, H, F]
 
         def row_bytes(dots):
-            kept = tuple(cfg.router_grad == "exact" and not router_dots_from_rows(
-                replace(spec, policy=policy, dropped_router_dots=dots), dtype, R) for policy in ("stash", "recompute"))
-            return expert_row_bytes(self.hidden_size, experts.weight2.shape[2], experts.expert_type.activation,
-                                    torch.finfo(dtype).bits // 8, self.k, not stash_keeps_rows(spec.may_drop, R), kept)
+            kept = tuple(cfg.router_grad == "exact" and not router_dots_from_rows(policy, spec.may_drop, dots, dtype, R)
+                         for policy in ("stash", "recompute"))
+            return expert_row_bytes(*shape, kept)
         auto = cfg.dropped_router_dots == "auto"
         stash, recompute, backward = row_bytes("saved" if auto else cfg.dropped_router_dots)
         lean = row_bytes("recomputed")[0] if auto else stash

@@ -43,7 +43,8 @@ def stash_keeps_rows(may_drop: bool, ep_size: int) -> bool:
     return not (may_drop and ep_size == 1)
 
 
-def router_dots_from_rows(spec: BackwardSpec, dtype: torch.dtype, ep_size: int) -> bool:
+def router_dots_from_rows(policy: str, may_drop: bool, dropped_router_dots: str, dtype: torch.dtype,
+                          ep_size: int) -> bool:
     """Whether the exact router gradient <y_p, dout_t> comes from rows the backward makes, so that the expert outputs
     y [P, H] are not saved. A retained pair's is <a_p, da_p> / (dy_p's weight) (y = a W2^T, da = dy W2): where no
     pair drops, every pair's a and da are made anyway. A dropped pair's is <act(h_p), dout_t W2_e>, from the stash's
@@ -52,7 +53,7 @@ def router_dots_from_rows(spec: BackwardSpec, dtype: torch.dtype, ep_size: int) 
     softmax's derivative. On one rank only: across ranks the dots would come back in an all-to-all of their own."""
     if dtype == torch.float16 or ep_size != 1:
         return False
-    return not spec.may_drop or (spec.dropped_router_dots == "recomputed" and spec.policy == "stash")
+    return not may_drop or (dropped_router_dots == "recomputed" and policy == "stash")
 
 
 def _dropped_pair_dots(kept: torch.Tensor, kept_sizes: torch.Tensor, plan: DispatchPlan, h: torch.Tensor,
@@ -132,7 +133,8 @@ class RoutedMLP(torch.autograd.Function):
         stash = spec.policy == "stash"
         stash_rows = stash and stash_keeps_rows(spec.may_drop, dispatcher.ep_size)
         x_norm = _row_norms(x) if spec.may_drop and spec.metric == "grad_norm" else None
-        keep_y = spec.router_grad == "exact" and not router_dots_from_rows(spec, x.dtype, dispatcher.ep_size)
+        keep_y = spec.router_grad == "exact" and not router_dots_from_rows(
+            spec.policy, spec.may_drop, spec.dropped_router_dots, x.dtype, dispatcher.ep_size)
         ctx.save_for_backward(None if stash_rows else x, rows if stash_rows else None, h if stash else None,
                               y_src if keep_y else None, topk_weight, x_norm)
         # The weights are leaf parameters: kept on ctx, not saved, which keeps saved-tensor hooks (offload) to

@@ -543,15 +543,13 @@ def test_exact_router_gradient_from_the_rows_saves_no_outputs(monkeypatch, polic
     """Where no pair drops, <y_p, dout_t> = <a_p, da_p> / w_p from the rows the backward runs: the forward keeps no
     expert outputs [P, H], and every gradient is the one from the saved outputs up to rounding."""
     from lrmoe_ds import pipeline
-    no_drop, may_drop = BackwardSpec(may_drop=False), BackwardSpec(may_drop=True)
-    assert pipeline.router_dots_from_rows(no_drop, torch.bfloat16, 1)
-    assert not pipeline.router_dots_from_rows(no_drop, torch.float16, 1)  # its range would flush w_p dout_t
-    assert not pipeline.router_dots_from_rows(may_drop, torch.bfloat16, 1)  # a dropped pair's dot needs y...
-    may_drop.dropped_router_dots = "recomputed"
-    assert pipeline.router_dots_from_rows(may_drop, torch.bfloat16, 1)  # ...or the stash's h
-    may_drop.policy = "recompute"
-    assert not pipeline.router_dots_from_rows(may_drop, torch.bfloat16, 1)  # (no h kept)
-    assert not pipeline.router_dots_from_rows(no_drop, torch.bfloat16, 2)  # no all-to-all of its own
+    from_rows = pipeline.router_dots_from_rows  # (policy, may_drop, dropped_router_dots, dtype, ep_size)
+    assert from_rows("stash", False, "saved", torch.bfloat16, 1)
+    assert not from_rows("stash", False, "saved", torch.float16, 1)  # its range would flush w_p dout_t
+    assert not from_rows("stash", True, "saved", torch.bfloat16, 1)  # a dropped pair's dot needs y...
+    assert from_rows("stash", True, "recomputed", torch.bfloat16, 1)  # ...or the stash's h
+    assert not from_rows("recompute", True, "recomputed", torch.bfloat16, 1)  # (no h kept)
+    assert not from_rows("stash", False, "saved", torch.bfloat16, 2)  # no all-to-all of its own
     layer, x = make_layer(5)
     configure(layer, retention_ratio=1.0, policy=policy)
     held_rows = saved_bytes(layer, x)
