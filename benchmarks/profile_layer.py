@@ -11,6 +11,7 @@ host operators that ran during them (what the host was doing while the GPU waite
 """
 import argparse
 import gzip
+import hashlib
 import json
 import os
 import shutil
@@ -53,6 +54,47 @@ def gpu_timeline(trace_path, top=8):
     return busy, worst
 
 
+def kernel_name(name):
+    """A kernel's name, short: C++ templates and arguments dropped; a mangled CUTLASS kernel named by a hash of
+    its full name (its tile and schedule are in there), so that two configurations stay apart."""
+    if name.startswith("_Z"):
+        return "cutlass/" + hashlib.md5(name.encode()).hexdigest()[:6] if "cutlass" in name else name[:40]
+    name = (name[5:] if name.startswith("void ") else name).replace("(anonymous namespace)::", "")
+    if name.startswith("at::"):  # torch's generic kernels: the functor in the template arguments says what it is
+        return name.replace("at::native::", "").replace("c10::", "").split("(")[0][:90]
+    out, depth = [], 0
+    for ch in name.split("(")[0]:
+        depth += ch == "<"
+        if depth == 0:
+            out.append(ch)
+        depth -= ch == ">"
+    return "".join(out).strip()[:60]
+
+
+def kernel_times(trace_path):
+    """{short kernel name: (launches, total us)} over a trace's kernels, copies and memsets."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    out = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES:
+            n, us = out.get(kernel_name(e["name"]), (0, 0.0))
+            out[kernel_name(e["name"])] = (n + 1, us + e.get("dur", 0))
+    return out
+
+
+def print_kernel_table(names, per_case, steps):
+    """One row per kernel, one column per layer: launches per step and ms per step, the largest first."""
+    kernels = sorted({k for t in per_case for k in t}, key=lambda k: -max(t.get(k, (0, 0))[1] for t in per_case))
+    print("## kernels per step (launches x, ms), every layer\n")
+    print("| kernel | " + " | ".join(names) + " |")
+    print("| --- |" + " --- |" * len(names))
+    for k in kernels:
+        cells = [f"{t[k][0] / steps:g}x {t[k][1] / 1e3 / steps:.3f}" if k in t else "-" for t in per_case]
+        print(f"| {k} | " + " | ".join(cells) + " |")
+    print("| total | " + " | ".join(f"{sum(v[1] for v in t.values()) / 1e3 / steps:.3f}" for t in per_case) + " |")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=list(SHAPES), default="glm-4.5-air")
@@ -76,6 +118,7 @@ def main():
               for dots in args.dropped_router_dots for policy in args.policies
               if dots == "saved" or policy == "stash"]
     tmp = tempfile.mkdtemp()
+    per_case = []
     for name, kind, block in cases:
         torch.manual_seed(0)
         layer = to_device_flat(build(kind, H, Fh, E, k).to(torch.bfloat16), "cuda")
@@ -97,6 +140,7 @@ def main():
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         busy_us, gaps = gpu_timeline(path)
+        per_case.append(kernel_times(path))
         busy_ms = busy_us / 1e3 / args.steps
         print(f"## {name}: {args.shape}, {args.tokens} tokens, {args.steps} steps", flush=True)
         print(f"\nper step, under the profiler: wall {wall_ms:.2f} ms, GPU busy {busy_ms:.2f} ms "
@@ -118,6 +162,7 @@ def main():
         del layer, prof
         torch.cuda.empty_cache()
     shutil.rmtree(tmp)
+    print_kernel_table([c[0] for c in cases], per_case, args.steps)
 
 
 if __name__ == "__main__":
