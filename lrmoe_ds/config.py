@@ -67,8 +67,10 @@ class LRMoEConfig(DeepSpeedConfigModel):
     through a down-projection dgrad over the dropped rows in the backward (more time, no y kept). Only
     under the "stash" policy on one expert-parallel rank in bf16/fp32; elsewhere y is saved. "auto": saved,
     unless the memory planner finds that the stash with y does not fit the budget and the one without y keeps
-    less than "recompute" would (or the policy is "stash"). (Where no pair drops, every dot comes from the rows
-    the backward runs and nothing is saved for it.)"""
+    less than "recompute" would (or the policy is "stash"). Where no pair drops, every dot comes from the rows
+    the backward runs: on one rank nothing is saved for it whatever this says; with ep_size > 1 "recomputed"
+    (or "auto" on the planner's word) sends the dots back from the experts in one more all-to-all, of 4 bytes a
+    pair, instead of keeping y, 2 H bytes a pair in bf16."""
 
     floor: float = Field(0.0, ge=0.0, le=1.0)
     """Minimum retained fraction of every expert's pairs, so that no expert starves. It wins over

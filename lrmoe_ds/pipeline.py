@@ -50,9 +50,13 @@ def router_dots_from_rows(policy: str, may_drop: bool, dropped_router_dots: str,
     pair drops, every pair's a and da are made anyway. A dropped pair's is <act(h_p), dout_t W2_e>, from the stash's
     h (``dropped_router_dots: "recomputed"``, see _dropped_pair_dots). Not in fp16, whose narrow range would flush
     w_p dout_t of a small gate to zero (and its gate gradient with it); where w_p is 0 the dot is 0, as is the
-    softmax's derivative. On one rank only: across ranks the dots would come back in an all-to-all of their own."""
-    if dtype == torch.float16 or ep_size != 1:
+    softmax's derivative. Across ranks the dots come back from the experts in an all-to-all of their own (4 bytes a
+    pair, against the 2-4 H bytes a pair of y kept): only where asked for ("recomputed"), and only where no pair
+    drops (a dropped pair's dout row never reaches its expert)."""
+    if dtype == torch.float16:
         return False
+    if ep_size != 1:
+        return not may_drop and dropped_router_dots == "recomputed"
     return not may_drop or (dropped_router_dots == "recomputed" and policy == "stash")
 
 

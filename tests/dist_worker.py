@@ -171,17 +171,29 @@ def run_train(args):
     return result
 
 
-def one_step_grads(lrmoe, data, keep_selection=False):
-    """Loss, full gradients and a2a bytes (forward, backward) of one step of an ep_size-2 ZeRO-0 engine."""
+def one_step_grads(lrmoe, data, keep_selection=False, saved=None):
+    """Loss, full gradients and a2a bytes (forward, backward) of one step of an ep_size-2 ZeRO-0 engine.
+    ``saved``: a dict that gets the bytes the forward keeps for the backward (saved-tensor hooks) and the
+    backward's all-to-all calls."""
     engine = make_engine(0, lrmoe)
     moe = engine.module.moe
     moe.keep_last_selection = keep_selection
     x, y = data[0]
     dispatcher_module.COLLECTIVE_BYTES.clear()
-    loss = F.mse_loss(engine(my_slice(x)), my_slice(y))
+    held = 0
+
+    def pack(t):
+        nonlocal held
+        held += t.numel() * t.element_size()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = F.mse_loss(engine(my_slice(x)), my_slice(y))
     forward_bytes = dispatcher_module.COLLECTIVE_BYTES["all_to_all"]
+    calls = dispatcher_module.COLLECTIVE_CALLS["all_to_all"]
     engine.backward(loss)
     backward_bytes = dispatcher_module.COLLECTIVE_BYTES["all_to_all"] - forward_bytes
+    if saved is not None:
+        saved.update(held=held, backward_all_to_alls=dispatcher_module.COLLECTIVE_CALLS["all_to_all"] - calls)
     grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
     return float(loss), grads, (forward_bytes, backward_bytes), engine
 
@@ -192,10 +204,18 @@ def run_retention_ep2(data):
     stash and recompute give the same gradients; the sampled expert gradients average to the exact ones
     (0.5 and 0.3)."""
     out = {}
-    loss0, grads0, bytes0, _ = one_step_grads(None, data)
+    saved0, saved1 = {}, {}
+    loss0, grads0, bytes0, _ = one_step_grads(None, data, saved=saved0)
     for policy in ("stash", "recompute"):
         loss1, grads1, _, _ = one_step_grads({"enabled": True, "retention_ratio": 1.0, "policy": policy}, data)
         out[f"ratio1_{policy}_bit_exact"] = loss1 == loss0 and all(torch.equal(grads1[n], grads0[n]) for n in grads0)
+    # no pair drops, "recomputed": the router's dots come back from the experts' rows; y [P, H] is not kept
+    loss1, grads1, bytes1, _ = one_step_grads({"enabled": True, "retention_ratio": 1.0,
+                                               "dropped_router_dots": "recomputed"}, data, saved=saved1)
+    out["dots_from_rows"] = {"loss_equal": loss1 == loss0, "grad_rel_diff": max(rel(grads1[n], grads0[n]) for n in grads0),
+                             "held_saved": saved0["held"] - saved1["held"], "pairs_here": B * S * K, "hidden": H,
+                             "backward_all_to_alls": (saved0["backward_all_to_alls"], saved1["backward_all_to_alls"]),
+                             "backward_bytes": (bytes0[1], bytes1[1])}
     half = {}
     for policy in ("stash", "recompute"):
         cfg = {"enabled": True, "retention_ratio": 0.5, "policy": policy, "seed": 3}

@@ -534,7 +534,9 @@ def test_exact_router_gradient_from_the_rows_saves_no_outputs(monkeypatch, polic
     assert not from_rows("stash", True, "saved", torch.bfloat16, 1)  # a dropped pair's dot needs y...
     assert from_rows("stash", True, "recomputed", torch.bfloat16, 1)  # ...or the stash's h
     assert not from_rows("recompute", True, "recomputed", torch.bfloat16, 1)  # (no h kept)
-    assert not from_rows("stash", False, "saved", torch.bfloat16, 2)  # no all-to-all of its own
+    assert not from_rows("stash", False, "saved", torch.bfloat16, 2)  # across ranks, an all-to-all of their own...
+    assert from_rows("recompute", False, "recomputed", torch.bfloat16, 2)  # ...only where asked for
+    assert not from_rows("stash", True, "recomputed", torch.bfloat16, 2)  # (a dropped pair's dout stays home)
     layer, x = make_layer(5)
     configure(layer, retention_ratio=1.0, policy=policy)
     held_rows = saved_bytes(layer, x)
