@@ -209,13 +209,15 @@ class LRMoE(MoE):
         shape = (self.hidden_size, experts.weight2.shape[2], experts.expert_type.activation, dtype.itemsize, self.k,
                  not stash_keeps_rows(spec.may_drop, R))  # the second projection is [G, H, F]
 
-        def row_bytes(dots):
-            kept = tuple(cfg.router_grad == "exact" and not router_dots_from_rows(policy, spec.may_drop, dots, dtype, R)
+        def row_bytes(dots, may_drop):
+            kept = tuple(cfg.router_grad == "exact" and not router_dots_from_rows(policy, may_drop, dots, dtype, R)
                          for policy in ("stash", "recompute"))
             return expert_row_bytes(*shape, kept)
         auto = cfg.dropped_router_dots == "auto"
-        stash, recompute, backward = row_bytes("saved" if auto else cfg.dropped_router_dots)
-        lean = row_bytes("recomputed")[0] if auto else stash
+        stash, recompute, backward = row_bytes("saved" if auto else cfg.dropped_router_dots, spec.may_drop)
+        # the planner picks the lean stash only in a plan with a row cap, under which pairs may drop (across ranks
+        # the dots from the rows need every pair kept: no lean stash there)
+        lean = row_bytes("recomputed", True)[0] if auto else stash
         return dict(stash_bytes_per_row=stash, backward_bytes_per_row=backward, recompute_bytes_per_row=recompute,
                     lean_stash_bytes_per_row=None if lean == stash else lean,
                     dropped_router_dots=spec.dropped_router_dots)

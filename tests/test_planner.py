@@ -167,6 +167,20 @@ def test_real_layer_under_a_budget_keeps_the_stash_without_its_expert_outputs():
     assert layer.last_stats.dropped_router_dots == "recomputed" and layer.last_stats.policy == "stash"
 
 
+def test_no_lean_stash_across_ranks():
+    """The planner's stash without the expert outputs comes with a row cap, under which pairs may drop; across
+    ranks the router's dots come from the rows only where none drops, so no lean stash is offered there, even
+    where this step dropped none. On one rank one is, where pairs may drop."""
+    import lrmoe_ds
+    from lrmoe_ds.retention import BackwardSpec
+    layer = lrmoe_ds.LRMoE(16, num_experts=4, k=2, ffn_hidden_size=4)
+    layer.configure(LRMoEConfig(enabled=True))  # "dropped_router_dots": "auto"
+    assert layer._row_bytes(BackwardSpec(may_drop=True), torch.bfloat16)["lean_stash_bytes_per_row"] is not None
+    layer.ep_size = 2  # _row_bytes reads the layout alone
+    for may_drop in (False, True):
+        assert layer._row_bytes(BackwardSpec(may_drop=may_drop), torch.bfloat16)["lean_stash_bytes_per_row"] is None
+
+
 def test_fixed_stash_policy_keeps_stash_and_floors_cap_at_one():
     _, layers, _ = warmed_up(LRMoEConfig(policy="stash", budget_gib=0.6, reserve_gib=0, warmup_steps=2))
     assert layers[0].memory_plan == MemoryPlan("stash", (244245094 - 220 * MB) // BACKWARD_BPR)
