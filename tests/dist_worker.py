@@ -21,6 +21,7 @@ from torch import nn
 
 import lrmoe_ds
 from lrmoe_ds import dispatcher as dispatcher_module
+from saved_bytes import counting_saved_bytes
 
 H, FFN, E, K, B, S, STEPS, LR = 8, 12, 4, 2, 3, 5, 4, 0.2
 EXPERT_KEY = re.compile(r"(.*deepspeed_experts\.)(\d+)(\..*)")
@@ -180,20 +181,14 @@ def one_step_grads(lrmoe, data, keep_selection=False, saved=None):
     moe.keep_last_selection = keep_selection
     x, y = data[0]
     dispatcher_module.COLLECTIVE_BYTES.clear()
-    held = 0
-
-    def pack(t):
-        nonlocal held
-        held += t.numel() * t.element_size()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with counting_saved_bytes() as held:
         loss = F.mse_loss(engine(my_slice(x)), my_slice(y))
     forward_bytes = dispatcher_module.COLLECTIVE_BYTES["all_to_all"]
     calls = dispatcher_module.COLLECTIVE_CALLS["all_to_all"]
     engine.backward(loss)
     backward_bytes = dispatcher_module.COLLECTIVE_BYTES["all_to_all"] - forward_bytes
     if saved is not None:
-        saved.update(held=held, backward_all_to_alls=dispatcher_module.COLLECTIVE_CALLS["all_to_all"] - calls)
+        saved.update(held=held["bytes"], backward_all_to_alls=dispatcher_module.COLLECTIVE_CALLS["all_to_all"] - calls)
     grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
     return float(loss), grads, (forward_bytes, backward_bytes), engine
 

@@ -11,6 +11,7 @@ import lrmoe_ds
 from lrmoe_ds.quotas import MemoryPlan, plan_quotas, rank_shares
 from lrmoe_ds.retention import BackwardSpec, select_retained
 from moe_reference import expert_forward
+from saved_bytes import counting_saved_bytes
 
 H, F, E, T, K = 8, 6, 4, 64, 2
 
@@ -399,15 +400,9 @@ def test_ratio_half_is_unbiased_and_router_stays_exact(allocation):
 
 def saved_bytes(layer, x):
     """Bytes the forward keeps for the backward (packed by saved-tensor hooks)."""
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out, _, _ = layer(x.clone().requires_grad_(True))
-    return total
+    with counting_saved_bytes() as saved:
+        layer(x.clone().requires_grad_(True))
+    return saved["bytes"]
 
 
 class _AllocatedBytes(TorchDispatchMode):
