@@ -204,22 +204,28 @@ class LRMoE(MoE):
     def _row_bytes(self, spec: BackwardSpec, dtype: torch.dtype) -> dict:
         """RetentionStats' bytes per row (quotas.expert_row_bytes): what the forward keeps under each policy, the
         expert outputs included where the exact router gradient keeps them (pipeline.router_dots_from_rows); under
-        ``"dropped_router_dots": "auto"`` the stash's with them saved, and with them recomputed where that differs."""
+        ``"dropped_router_dots": "auto"`` the stash's with them saved, and with them recomputed where that differs.
+        Where no pair may drop in this step, also what a step under a row cap would keep (the planner's options
+        come with one, and then pairs may drop: the stash keeps x instead of its rows, and the outputs for the
+        dropped pairs' dots)."""
         cfg, experts, R = self.lrmoe_config, self.deepspeed_moe.experts, self.ep_size
-        shape = (self.hidden_size, experts.weight2.shape[2], experts.expert_type.activation, dtype.itemsize, self.k,
-                 not stash_keeps_rows(spec.may_drop, R))  # the second projection is [G, H, F]
+        shape = (self.hidden_size, experts.weight2.shape[2], experts.expert_type.activation, dtype.itemsize, self.k)
+        auto = cfg.dropped_router_dots == "auto"
+        dots = "saved" if auto else cfg.dropped_router_dots
 
         def row_bytes(dots, may_drop):
             kept = tuple(cfg.router_grad == "exact" and not router_dots_from_rows(policy, may_drop, dots, dtype, R)
-                         for policy in ("stash", "recompute"))
-            return expert_row_bytes(*shape, kept)
-        auto = cfg.dropped_router_dots == "auto"
-        stash, recompute, backward = row_bytes("saved" if auto else cfg.dropped_router_dots, spec.may_drop)
-        # the planner picks the lean stash only in a plan with a row cap, under which pairs may drop (across ranks
-        # the dots from the rows need every pair kept: no lean stash there)
-        lean = row_bytes("recomputed", True)[0] if auto else stash
+                         for policy in ("stash", "recompute"))  # the second projection is [G, H, F]
+            return expert_row_bytes(*shape, not stash_keeps_rows(may_drop, R), kept)
+
+        def held(may_drop):
+            """(stash, the stash with the dots recomputed where "auto" may choose it, recompute, backward)"""
+            stash, recompute, backward = row_bytes(dots, may_drop)
+            lean = row_bytes("recomputed", may_drop)[0] if auto else stash
+            return stash, None if lean == stash else lean, recompute, backward
+        stash, lean, recompute, backward = held(spec.may_drop)
         return dict(stash_bytes_per_row=stash, backward_bytes_per_row=backward, recompute_bytes_per_row=recompute,
-                    lean_stash_bytes_per_row=None if lean == stash else lean,
+                    lean_stash_bytes_per_row=lean, capped_bytes_per_row=None if spec.may_drop else held(True)[:3],
                     dropped_router_dots=spec.dropped_router_dots)
 
     def forward(self, hidden_states: torch.Tensor,

@@ -6,7 +6,8 @@ same plan (the quotas, and with them the backward all-to-all sizes, must agree a
   non-MoE N  = max(warm-up peak - smallest MoE estimate of a warm-up step, static)  (overestimates N)
   MoE est.   = held S (sum over layers of rows at the most loaded rank * the bytes the forward keeps per row under
                the layer's policy: the stash, or recompute's token inputs; plus the expert outputs where the exact
-               router gradient keeps them, see quotas.expert_row_bytes)
+               router gradient keeps them, see quotas.expert_row_bytes); a plan's options are weighed by what a step
+               under its row cap keeps, where pairs may drop (RetentionStats.capped_bytes_per_row)
                + backward W (largest layer's retained rows * backward_bytes_per_row: one backward at a time)
   "auto"     stashes iff (S_stash + W) * (1 + MARGIN) <= B - N; else, where the config's "dropped_router_dots" is
              "auto" and a stash without the expert outputs keeps less than "recompute", that stash; else recompute.
@@ -46,8 +47,8 @@ def optimizer_bytes(optimizer) -> tuple:
     return sum(_nbytes(t) for t in groups), state_bytes
 
 
-def _held_bytes(s: RetentionStats, policy: str, dots: str = "saved") -> int:
-    return int(s.rows_per_rank.max()) * s.held_bytes_per_row(policy, dots)
+def _held_bytes(s: RetentionStats, policy: str, dots: str = "saved", capped: bool = False) -> int:
+    return int(s.rows_per_rank.max()) * s.held_bytes_per_row(policy, dots, capped)
 
 
 def _backward_bytes(s: RetentionStats) -> int:
@@ -175,8 +176,10 @@ class MemoryPlanner:
             return self._install(plans, "peak over budget", {"budget": budget, "peak": peak, "excess": excess})
         non_moe = max(self.warmup_peak - (self.warmup_moe_bytes or 0), self.static_bytes)
         left = budget - non_moe
-        held = {option: int(sum(_held_bytes(layer.last_stats, *option) for layer in measured) * (1 + MARGIN))
-                for option in (("stash", "saved"), ("stash", "recomputed"), ("recompute", "saved"))}
+        # every plan below has a row cap: what a step under one keeps
+        options = (("stash", "saved"), ("stash", "recomputed"), ("recompute", "saved"))
+        held = {option: int(sum(_held_bytes(layer.last_stats, *option, capped=True) for layer in measured)
+                            * (1 + MARGIN)) for option in options}
         backward = int(max((_backward_bytes(layer.last_stats) for layer in measured), default=0) * (1 + MARGIN))
         stash_fits = held["stash", "saved"] + backward <= left
         lean = held["stash", "recomputed"] < held["stash", "saved"]  # the outputs can go (router dots "auto")

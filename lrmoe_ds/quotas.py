@@ -134,6 +134,8 @@ class RetentionStats:
     stash_bytes_per_row / recompute_bytes_per_row: what the forward keeps per routed row under "stash" / "recompute"
     (quotas.expert_row_bytes), the expert outputs included where the configured router gradient keeps them;
     lean_stash_bytes_per_row: under "stash" with the dots recomputed instead, where "auto" may choose that (else None).
+    capped_bytes_per_row: (stash, lean stash or None, recompute) per row in a step under a row cap, where this step
+    had none (pairs may drop under one, which changes what is kept); None: this step's own.
     backward_bytes_per_row: the expert backward's buffers per retained row (under this policy).
     replica_rows: retained rows that run on replicas (``replica_slots``), over all ranks.
     Under the "threshold" allocation the quotas are caps and the backward counts what it keeps
@@ -143,23 +145,26 @@ class RetentionStats:
     def __init__(self, counts, quotas, rows_per_rank: torch.Tensor, retained_per_rank: torch.Tensor, policy: str,
                  stash_bytes_per_row: int, backward_bytes_per_row: int, replica_rows: int = 0,
                  recompute_bytes_per_row: int = 0, lean_stash_bytes_per_row: Optional[int] = None,
-                 dropped_router_dots: str = "saved"):
+                 dropped_router_dots: str = "saved",
+                 capped_bytes_per_row: Optional[Tuple[int, Optional[int], int]] = None):
         self._counts, self._quotas = counts, quotas
         self.rows_per_rank, self.retained_per_rank = rows_per_rank, retained_per_rank
         self.policy, self.stash_bytes_per_row, self.backward_bytes_per_row = policy, stash_bytes_per_row, \
             backward_bytes_per_row
         self.recompute_bytes_per_row, self.lean_stash_bytes_per_row = recompute_bytes_per_row, lean_stash_bytes_per_row
-        self.dropped_router_dots = dropped_router_dots
+        self.dropped_router_dots, self.capped_bytes_per_row = dropped_router_dots, capped_bytes_per_row
         self.replica_rows = replica_rows
         self.kept: Optional[HostCopy] = None
 
-    def held_bytes_per_row(self, policy: str, dropped_router_dots: str = "saved") -> int:
+    def held_bytes_per_row(self, policy: str, dropped_router_dots: str = "saved", capped: bool = False) -> int:
         """What the forward keeps per routed row under ``policy``, with the dots ``dropped_router_dots`` where
-        "auto" leaves that open."""
+        "auto" leaves that open: in this step, or (``capped``) in a step under a row cap."""
+        stash, lean, recompute = self.stash_bytes_per_row, self.lean_stash_bytes_per_row, self.recompute_bytes_per_row
+        if capped and self.capped_bytes_per_row is not None:
+            stash, lean, recompute = self.capped_bytes_per_row
         if policy != "stash":
-            return self.recompute_bytes_per_row
-        lean = dropped_router_dots == "recomputed" and self.lean_stash_bytes_per_row is not None
-        return self.lean_stash_bytes_per_row if lean else self.stash_bytes_per_row
+            return recompute
+        return lean if dropped_router_dots == "recomputed" and lean is not None else stash
 
     @property
     def counts(self) -> torch.Tensor:

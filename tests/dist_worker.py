@@ -209,7 +209,8 @@ def run_retention_ep2(data):
                                                "dropped_router_dots": "recomputed"}, data, saved=saved1)
     _, grads_r, _, _ = one_step_grads({"enabled": True, "retention_ratio": 1.0, "policy": "recompute",
                                        "dropped_router_dots": "recomputed"}, data)
-    out["dots_from_rows"] = {"loss_equal": loss1 == loss0, "grad_rel_diff": max(rel(grads1[n], grads0[n]) for n in grads0),
+    out["dots_from_rows"] = {"loss_equal": loss1 == loss0,
+                             "grad_rel_diff": max(rel(grads1[n], grads0[n]) for n in grads0),
                              "recompute_grad_rel_diff": max(rel(grads_r[n], grads0[n]) for n in grads0),
                              "held_saved": saved0["held"] - saved1["held"], "pairs_here": B * S * K, "hidden": H,
                              "backward_all_to_alls": (saved0["backward_all_to_alls"], saved1["backward_all_to_alls"]),

@@ -169,16 +169,54 @@ def test_real_layer_under_a_budget_keeps_the_stash_without_its_expert_outputs():
 
 def test_no_lean_stash_across_ranks():
     """The planner's stash without the expert outputs comes with a row cap, under which pairs may drop; across
-    ranks the router's dots come from the rows only where none drops, so no lean stash is offered there, even
-    where this step dropped none. On one rank one is, where pairs may drop."""
+    ranks the router's dots come from the rows only where none drops, so no lean stash is planned there, even
+    from a step that dropped none. On one rank it is."""
     import lrmoe_ds
     from lrmoe_ds.retention import BackwardSpec
     layer = lrmoe_ds.LRMoE(16, num_experts=4, k=2, ffn_hidden_size=4)
     layer.configure(LRMoEConfig(enabled=True))  # "dropped_router_dots": "auto"
-    assert layer._row_bytes(BackwardSpec(may_drop=True), torch.bfloat16)["lean_stash_bytes_per_row"] is not None
+
+    def capped(may_drop, dots):
+        stats = RetentionStats(None, None, None, None, "stash", **layer._row_bytes(BackwardSpec(may_drop=may_drop),
+                                                                                   torch.bfloat16))
+        return stats.held_bytes_per_row("stash", dots, capped=True)
+    for may_drop in (False, True):
+        assert capped(may_drop, "recomputed") < capped(may_drop, "saved")
     layer.ep_size = 2  # _row_bytes reads the layout alone
     for may_drop in (False, True):
-        assert layer._row_bytes(BackwardSpec(may_drop=may_drop), torch.bfloat16)["lean_stash_bytes_per_row"] is None
+        assert capped(may_drop, "recomputed") == capped(may_drop, "saved")
+
+
+def test_exact_until_the_budget_plans_what_a_capped_step_keeps():
+    """Retention 1.0 with a budget: the warm-up steps drop nothing (on one rank the stash keeps the rows, and the
+    router's dots come from them: no outputs kept), but every budgeted plan caps the rows, and a capped step keeps
+    x, and the outputs where the dots are not recomputed. The plan weighs those: here the stash with the dots
+    recomputed fits and is lighter than "recompute" with its outputs; the capped step then keeps what was planned."""
+    import lrmoe_ds
+    torch.manual_seed(0)
+    H, F, T, k = 16, 4, 64, 2
+    layer = lrmoe_ds.LRMoE(H, num_experts=4, k=k, ffn_hidden_size=F).double()
+    # per row, fp64, capped: stash 256 (x/k + h + y), lean 128, recompute 192 (x/k + y); backward 576
+    config = LRMoEConfig(enabled=True, policy="auto", budget_gib=105_000 / GIB, reserve_gib=0, warmup_steps=1)
+    layer.configure(config)
+    planner = MemoryPlanner(config, [layer], accelerator=FakeAccelerator())
+    x = torch.randn(T, H, dtype=torch.float64)
+
+    def step(n):
+        planner.on_step(n)
+        layer(x.clone().requires_grad_(True))[0].sum().backward()
+    step(0)
+    stats = layer.last_stats
+    assert stats.held_bytes_per_row("stash") == (H + 2 * F) * 8  # this step's: the rows and h
+    assert stats.capped_bytes_per_row == ((H // k + 2 * F + H) * 8, (H // k + 2 * F) * 8, (H // k + H) * 8)
+    step(1)
+    plan = planner.plans[-1]
+    assert plan["stash"] + plan["backward"] > plan["left"] >= plan["stash_dots_recomputed"] + plan["backward"]
+    assert plan["stash_dots_recomputed"] < plan["recompute_held"]
+    assert layer.memory_plan.policy == "stash" and layer.memory_plan.dropped_router_dots == "recomputed"
+    step(2)
+    assert layer.last_stats.capped_bytes_per_row is None  # capped now
+    assert layer.last_stats.held_bytes_per_row("stash", "recomputed") == (H // k + 2 * F) * 8
 
 
 def test_fixed_stash_policy_keeps_stash_and_floors_cap_at_one():
