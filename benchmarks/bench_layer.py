@@ -83,12 +83,15 @@ def parse_args(argv=None):
                         "host's latency to the first kernel counts in full; N > 1 times N steps back to back "
                         "(the .grad reset inside each step), the host then running ahead of the GPU as it does "
                         "when other layers' work fills the GPU in training")
+    p.add_argument("--gemm_configs", nargs="+", choices=["auto", "coop", "pingpong", "m64"], default=["auto"],
+                   help="the segmented GEMM's kernels (LRMOE_GEMM_CONFIG) per LRMoE row: more than one repeats "
+                        "every LRMoE row per config, timed in turns with the others")
     p.add_argument("--out", default=None, help="write the markdown here (rewritten after every table)")
     return p.parse_args(argv)
 
 
 def row_specs(args):
-    """(row name, layer kind, "lrmoe" block or None); rows of one kind are consecutive."""
+    """(row name, layer kind, "lrmoe" block or None, GEMM config or None); rows of one kind are consecutive."""
     rows = [(ANCHOR, "anchor", None), (DEEPSPEED, "deepspeed", None), ("LRMoE exact (enabled false)", "lrmoe", {})]
     for allocation in args.allocations:
         for dots in args.dropped_router_dots:
@@ -102,7 +105,10 @@ def row_specs(args):
                                  {"enabled": True, "retention_ratio": r, "policy": policy, "metric": args.metric,
                                   "router_grad": args.router_grad, "quota_allocation": allocation,
                                   "dropped_router_dots": dots}))
-    return rows
+    configs = args.gemm_configs
+    return [(name if kind != "lrmoe" or len(configs) == 1 else f"{name}, gemm {config}", kind, block,
+             config if kind == "lrmoe" else None)
+            for name, kind, block in rows for config in (configs if kind == "lrmoe" else [None])]
 
 
 def build(kind, H, Fh, E, k):
@@ -178,7 +184,8 @@ def render(name, ms, mem, failed, flops):
     """One table row, from the times (ms), memories (GiB held, GiB peak) and failures measured so far."""
     if name in failed:
         return f"| {name} | failed: {failed[name]} | | | | | | | |"
-    ref = mem.get(f"LRMoE retention {1.0:g}, stash", (None, None))
+    gemm = name[name.index(", gemm "):] if ", gemm " in name else ""  # against 1.0 with the same GEMM config
+    ref = mem.get(f"LRMoE retention {1.0:g}, stash{gemm}", (None, None))
     held, peak = mem[name]
     return (f"| {name} | {ms[name]:.2f} | {flops / ms[name] / 1e9:.0f} | {ratio(ms.get(ANCHOR), ms[name])} | "
             f"{ratio(ms.get(DEEPSPEED), ms[name])} | {held:.2f} | {ratio(held, ref[0])} | {peak:.2f} | "
@@ -241,7 +248,7 @@ def main():
     for shape in args.shapes:
         title, H, Fh, E, k = SHAPES[shape]
         layers = {}
-        for kind in dict.fromkeys(kind for _, kind, _ in specs):  # built once per shape
+        for kind in dict.fromkeys(kind for _, kind, _, _ in specs):  # built once per shape
             torch.manual_seed(0)
             layers[kind] = to_device_flat(build(kind, H, Fh, E, k).to(dt), dev)
         for T in args.tokens:
@@ -255,21 +262,23 @@ def main():
             flops = 3 * 2 * T * k * 3 * H * Fh
             ms, mem, failed = {}, {}, {}
 
-            def prepare(layer, block):
+            def prepare(layer, block, gemm):
                 def run():
                     if block is not None:
                         layer.configure(lrmoe_ds.LRMoEConfig(**block))
+                    if gemm is not None:  # read by the GEMM op at every call
+                        os.environ["LRMOE_GEMM_CONFIG"] = gemm
                     clear_grads(layer)
                 return run
 
             fns, setups = {}, {}
-            for name, kind, block in specs:  # memory, one row at a time; a row that fails is left out
+            for name, kind, block, gemm in specs:  # memory, one row at a time; a row that fails is left out
                 layer = layers[kind]
                 try:
-                    prepare(layer, block)()
+                    prepare(layer, block, gemm)()
                     mem[name] = memory(layer, x, grad)
                     fns[name], setups[name] = (lambda layer=layer: step(layer, x, grad, clear=back_to_back)), \
-                        prepare(layer, block)
+                        prepare(layer, block, gemm)
                 except Exception as err:  # noqa: BLE001  (one failing row must not lose the others)
                     failed[name] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:120]}"
                 torch.cuda.empty_cache()
@@ -278,7 +287,7 @@ def main():
                 clear_grads(n)
             del x, grad
             torch.cuda.empty_cache()
-            table = [render(n, ms, mem, failed, flops) for n, _, _ in specs]  # now with every ratio
+            table = [render(n, ms, mem, failed, flops) for n, _, _, _ in specs]  # now with every ratio
             lines.extend(table + [""])
             write()
             print("complete table:", *lines[-len(table) - 3:], sep="\n", flush=True)
