@@ -137,16 +137,17 @@ def test_the_stash_without_expert_outputs_where_the_budget_needs_it(policy, lean
     assert monitor.named(step=3).get("lrmoe/layer0/router_dots_recomputed") == (1.0 if dots == "recomputed" else None)
 
 
-def test_real_layer_under_a_budget_keeps_the_stash_without_its_expert_outputs():
-    """A real layer (fp64, CPU; 2F < H, so the stash without the exact router gradient's expert outputs keeps less
-    than recompute's token inputs and outputs) under "auto" and a budget the stash with the outputs exceeds: the
-    planner's first plan keeps the stash and recomputes the dropped pairs' dots, and the layer's next step does."""
+H, F, T, k = 16, 4, 64, 2  # the real layers below
+
+
+def budgeted_real_layer(retention_ratio, budget_bytes):
+    """(layer, planner, step(n)): a real fp64 layer on CPU under "auto" and a budget, planned after one warm-up
+    step; step(n) is the planner's step hook then one training step."""
     import lrmoe_ds
     torch.manual_seed(0)
-    H, F, T, k = 16, 4, 64, 2
     layer = lrmoe_ds.LRMoE(H, num_experts=4, k=k, ffn_hidden_size=F).double()
-    config = LRMoEConfig(enabled=True, retention_ratio=0.5, policy="auto", budget_gib=70_000 / GIB, reserve_gib=0,
-                         warmup_steps=1)
+    config = LRMoEConfig(enabled=True, retention_ratio=retention_ratio, policy="auto", budget_gib=budget_bytes / GIB,
+                         reserve_gib=0, warmup_steps=1)
     layer.configure(config)
     planner = MemoryPlanner(config, [layer], accelerator=FakeAccelerator())
     x = torch.randn(T, H, dtype=torch.float64)
@@ -154,6 +155,14 @@ def test_real_layer_under_a_budget_keeps_the_stash_without_its_expert_outputs():
     def step(n):
         planner.on_step(n)
         layer(x.clone().requires_grad_(True))[0].sum().backward()
+    return layer, planner, step
+
+
+def test_real_layer_under_a_budget_keeps_the_stash_without_its_expert_outputs():
+    """A real layer (fp64, CPU; 2F < H, so the stash without the exact router gradient's expert outputs keeps less
+    than recompute's token inputs and outputs) under "auto" and a budget the stash with the outputs exceeds: the
+    planner's first plan keeps the stash and recomputes the dropped pairs' dots, and the layer's next step does."""
+    layer, planner, step = budgeted_real_layer(retention_ratio=0.5, budget_bytes=70_000)
     step(0)
     stats = layer.last_stats  # per routed row, fp64: stash x/k + h + y, without y, recompute x/k + y
     assert (stats.stash_bytes_per_row, stats.lean_stash_bytes_per_row, stats.recompute_bytes_per_row) == \
@@ -192,19 +201,8 @@ def test_exact_until_the_budget_plans_what_a_capped_step_keeps():
     router's dots come from them: no outputs kept), but every budgeted plan caps the rows, and a capped step keeps
     x, and the outputs where the dots are not recomputed. The plan weighs those: here the stash with the dots
     recomputed fits and is lighter than "recompute" with its outputs; the capped step then keeps what was planned."""
-    import lrmoe_ds
-    torch.manual_seed(0)
-    H, F, T, k = 16, 4, 64, 2
-    layer = lrmoe_ds.LRMoE(H, num_experts=4, k=k, ffn_hidden_size=F).double()
     # per row, fp64, capped: stash 256 (x/k + h + y), lean 128, recompute 192 (x/k + y); backward 576
-    config = LRMoEConfig(enabled=True, policy="auto", budget_gib=105_000 / GIB, reserve_gib=0, warmup_steps=1)
-    layer.configure(config)
-    planner = MemoryPlanner(config, [layer], accelerator=FakeAccelerator())
-    x = torch.randn(T, H, dtype=torch.float64)
-
-    def step(n):
-        planner.on_step(n)
-        layer(x.clone().requires_grad_(True))[0].sum().backward()
+    layer, planner, step = budgeted_real_layer(retention_ratio=1.0, budget_bytes=105_000)
     step(0)
     stats = layer.last_stats
     assert stats.held_bytes_per_row("stash") == (H + 2 * F) * 8  # this step's: the rows and h
