@@ -220,13 +220,14 @@ class LRMoE(MoE):
         come with one, and then pairs may drop: the stash keeps x instead of its rows, and the outputs for the
         dropped pairs' dots)."""
         cfg, experts, R = self.lrmoe_config, self.deepspeed_moe.experts, self.ep_size
-        shape = (self.hidden_size, experts.weight2.shape[2], experts.expert_type.activation, dtype.itemsize, self.k)
+        shape = (self.hidden_size, experts.weight2.shape[2], experts.expert_type.activation, dtype.itemsize,
+                 self.k)  # the second projection is [G, H, F]
         auto = cfg.dropped_router_dots == "auto"
         dots = "saved" if auto else cfg.dropped_router_dots
 
         def row_bytes(dots, may_drop):
             kept = tuple(cfg.router_grad == "exact" and not router_dots_from_rows(policy, may_drop, dots, dtype, R)
-                         for policy in ("stash", "recompute"))  # the second projection is [G, H, F]
+                         for policy in ("stash", "recompute"))
             return expert_row_bytes(*shape, not stash_keeps_rows(may_drop, R), kept)
 
         def held(may_drop):
