@@ -27,12 +27,16 @@ import lrmoe_ds
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def gpu_timeline(trace_path, top=8):
+def trace_events(trace_path):
+    """The complete ("X") events of a Chrome trace that last, read once for both summaries below."""
+    with open(trace_path) as f:
+        return [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and e.get("dur", 0) > 0]
+
+
+def gpu_timeline(events, top=8):
     """From a Chrome trace: (microseconds the GPU was busy: the union of its kernel, copy and memset
     intervals; the ``top`` longest idle gaps between them, each as (gap us, the next kernel's name, the
     host operators that ran longest during the gap, with their us))."""
-    with open(trace_path) as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and e.get("dur", 0) > 0]
     spans = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") in GPU_CATEGORIES)
     busy, end, gaps = 0.0, float("-inf"), []
     for a, b, name in spans:
@@ -71,15 +75,14 @@ def kernel_name(name):
     return "".join(out).strip()[:60]
 
 
-def kernel_times(trace_path):
+def kernel_times(events):
     """{short kernel name: (launches, total us)} over a trace's kernels, copies and memsets."""
-    with open(trace_path) as f:
-        events = json.load(f)["traceEvents"]
     out = {}
     for e in events:
-        if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES:
-            n, us = out.get(kernel_name(e["name"]), (0, 0.0))
-            out[kernel_name(e["name"])] = (n + 1, us + e.get("dur", 0))
+        if e.get("cat") in GPU_CATEGORIES:
+            name = kernel_name(e["name"])
+            n, us = out.get(name, (0, 0.0))
+            out[name] = (n + 1, us + e["dur"])
     return out
 
 
@@ -139,8 +142,9 @@ def main():
             wall_ms = (time.perf_counter() - start) * 1e3 / args.steps
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
-        busy_us, gaps = gpu_timeline(path)
-        per_case.append(kernel_times(path))
+        events = trace_events(path)
+        busy_us, gaps = gpu_timeline(events)
+        per_case.append(kernel_times(events))
         busy_ms = busy_us / 1e3 / args.steps
         print(f"## {name}: {args.shape}, {args.tokens} tokens, {args.steps} steps", flush=True)
         print(f"\nper step, under the profiler: wall {wall_ms:.2f} ms, GPU busy {busy_ms:.2f} ms "
