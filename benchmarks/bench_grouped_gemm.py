@@ -22,10 +22,9 @@ SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "glm-4.5-air": (4096, 1408, 128,
 
 # (LRMOE_GEMM_CONFIG, LRMOE_GEMM_RASTER, LRMOE_GEMM_SWIZZLE); the first is the default (see gemm.cu):
 # "coop" runs the cooperative 128x256x64 kernel in every pass, "pingpong" it for forward and dgrad only
-# (wgrad ping-pong 128x128x64); "m64" ping-pong 64x256x64 for forward and dgrad, 128x128x64 for wgrad;
-# "m64c22" (a trial) m64 with the wgrad on a 2x2 cluster. "auto" is m64 or coop by the device's memory bandwidth.
-# "default" sets none of the three (auto, and the tile order by pass: along M for forward and dgrad, along N
-# with swizzle 2 for wgrad).
+# (wgrad ping-pong 128x128x64); "m64" ping-pong 64x256x64 for forward and dgrad, 128x128x64 for wgrad.
+# "auto" is m64 or coop by the device's memory bandwidth. "default" sets none of the three (auto, and the tile
+# order by pass: along M for forward and dgrad, along N with swizzle 2 for wgrad).
 DEFAULT = ("default", "", "")
 VARIANTS = [DEFAULT, ("coop", "m", "1"), ("coop", "n", "2"), ("pingpong", "m", "1"), ("m64", "m", "1"), ("m64", "n", "2")]
 

@@ -83,7 +83,7 @@ def parse_args(argv=None):
                         "host's latency to the first kernel counts in full; N > 1 times N steps back to back "
                         "(the .grad reset inside each step), the host then running ahead of the GPU as it does "
                         "when other layers' work fills the GPU in training")
-    p.add_argument("--gemm_configs", nargs="+", choices=["auto", "coop", "pingpong", "m64", "m64c22"], default=["auto"],
+    p.add_argument("--gemm_configs", nargs="+", choices=["auto", "coop", "pingpong", "m64"], default=["auto"],
                    help="the segmented GEMM's kernels (LRMOE_GEMM_CONFIG) per LRMoE row: more than one repeats "
                         "every LRMoE row per config, timed in turns with the others")
     p.add_argument("--out", default=None, help="write the markdown here (rewritten after every table)")

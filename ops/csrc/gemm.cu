@@ -146,15 +146,14 @@ std::string gemm_config(GemmPass pass, int64_t M, int64_t K, int64_t G) {
   // Kernels per pass. "m64": ping-pong 64x256x64 for forward and dgrad (a group's last row tile is partly
   // empty, and 64-row tiles leave half as much empty as 128-row ones), ping-pong 128x128x64 for wgrad.
   // "coop": CUTLASS's cooperative 128x256x64 in every pass, torch._grouped_mm's. "pingpong": cooperative
-  // forward and dgrad, ping-pong wgrad. "m64c22" (a trial, never picked by "auto"): m64 with the wgrad on a 2x2
-  // cluster. "auto" (the default) picks by the device's memory: on an H200
+  // forward and dgrad, ping-pong wgrad. "auto" (the default) picks by the device's memory: on an H200
   // (4.8 TB/s) "m64" was 2-18% faster than "coop" in most forward and dgrad cells, on an H100 (3.35 TB/s)
   // up to 27% slower at GLM-4.5-Air's shapes, where "coop" matched torch
   // (benchmarks/results/grouped_gemm_h200_1205.md, grouped_gemm_dgrad128_h100.md). LRMOE_GEMM_CONFIG,
   // read per call for benchmarks and tests, forces one.
   const std::string forced = env_or("LRMOE_GEMM_CONFIG", "auto");
-  if (forced != "auto" && forced != "m64" && forced != "coop" && forced != "pingpong" && forced != "m64c22")
-    throw std::invalid_argument("LRMOE_GEMM_CONFIG must be auto, m64, coop, pingpong or m64c22, not '" + forced + "'");
+  if (forced != "auto" && forced != "m64" && forced != "coop" && forced != "pingpong")
+    throw std::invalid_argument("LRMOE_GEMM_CONFIG must be auto, m64, coop or pingpong, not '" + forced + "'");
   if (forced != "auto") return forced;
   const std::string cfg = gemm_default_config();
   // A dgrad whose output width leaves a half-empty last 256-wide tile (GLM-4.5-Air's 1408 columns) with about
@@ -188,12 +187,10 @@ size_t grouped_gemm(GemmPass pass, DType dtype, DType out_dtype, int64_t M, int6
   auto cutlass_run = [&](void* t, size_t bytes) {
     const std::string cfg = gemm_config(pass, M, K, G);
     const bool coop = cfg == "coop";
-    const bool m64 = cfg == "m64" || cfg == "m64c22";
+    const bool m64 = cfg == "m64";
     auto fn = pass == GemmPass::kFwd ? (m64 ? cutlass_gemm::run_fwd_m64 : cutlass_gemm::run_fwd)
               : pass == GemmPass::kDgrad ? (m64 ? cutlass_gemm::run_dgrad_m64 : cutlass_gemm::run_dgrad)
-              : coop                     ? cutlass_gemm::run_wgrad
-              : cfg == "m64c22"          ? cutlass_gemm::run_wgrad_c22
-                                         : cutlass_gemm::run_wgrad_pingpong;
+                                         : (coop ? cutlass_gemm::run_wgrad : cutlass_gemm::run_wgrad_pingpong);
     return fn(M, N, K, G, a, b, group_ptrs, group_sizes, out, accumulate, t, bytes, stream);
   };
   if (use_cutlass) {  // the CUTLASS setup kernel makes the row offsets itself

@@ -30,7 +30,6 @@ LRMOE_CUTLASS_PASS(run_fwd);
 LRMOE_CUTLASS_PASS(run_dgrad);
 LRMOE_CUTLASS_PASS(run_wgrad);
 LRMOE_CUTLASS_PASS(run_wgrad_pingpong);
-LRMOE_CUTLASS_PASS(run_wgrad_c22);  // the same on a 2x2 cluster (gemm_wgrad_c22_bf16.cu)
 LRMOE_CUTLASS_PASS(run_fwd_m64);
 LRMOE_CUTLASS_PASS(run_dgrad_m64);
 }  // namespace cutlass_gemm
