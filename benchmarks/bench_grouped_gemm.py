@@ -1,6 +1,7 @@
 """Segmented GEMM (forward, dgrad, wgrad) of lrmoe_ds against torch._grouped_mm and a per-expert
 cuBLAS loop, at the Qwen3-30B-A3B and GLM-4.5-Air expert shapes, 8k and 16k tokens, uniform and
-skewed (Zipf-like) routing. Median of CUDA-event timings; bf16; TFLOP/s = 2 M N K / time.
+skewed (Zipf-like, hottest expert first) routing; `--routing ...,zipf_shuffled` adds the same skew with the hot
+experts at random places. Median of CUDA-event timings; bf16; TFLOP/s = 2 M N K / time.
 
     python3 benchmarks/bench_grouped_gemm.py [--out benchmarks/results/grouped_gemm_h200.md]
 
@@ -62,10 +63,17 @@ def clear_variant():
 
 
 def routed_sizes(T, k, E, skew, gen):
+    """Rows per expert of T tokens routed top-k over E experts. "zipf": expert i gets a share ~ 1/(i+1), so the
+    groups come hottest first; "zipf_shuffled": the same shares over the experts in a random order, as a trained
+    router's hot experts fall (the persistent GEMM scheduler hands out tiles in group order, so the two differ)."""
+    if skew not in ("uniform", "zipf", "zipf_shuffled"):
+        raise ValueError(f"routing must be uniform, zipf or zipf_shuffled, not {skew!r}")
     if skew == "uniform":
         p = torch.ones(E, dtype=torch.float64)
-    else:  # Zipf-like: expert i gets a share ~ 1/(i+1)
+    else:
         p = 1.0 / torch.arange(1, E + 1, dtype=torch.float64)
+        if skew == "zipf_shuffled":
+            p = p[torch.randperm(E, generator=gen)]
     draws = torch.multinomial(p, T * k, replacement=True, generator=gen)
     return torch.bincount(draws, minlength=E)
 
@@ -196,7 +204,7 @@ def main():
     p.add_argument("--out", default=None)
     p.add_argument("--tokens", default="8192,16384")
     p.add_argument("--shapes", default=",".join(SHAPES))
-    p.add_argument("--routing", default="uniform,zipf")
+    p.add_argument("--routing", default="uniform,zipf", help="comma-separated: uniform, zipf, zipf_shuffled")
     p.add_argument("--no_variants", action="store_true", help="time the default scheduler only")
     p.add_argument("--variants", default=None,
                    help="kernel-scheduler variants to time, e.g. pingpong-n2,coop-m1 (default: " +
