@@ -26,39 +26,46 @@ SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "glm-4.5-air": (4096, 1408, 128,
 # (wgrad ping-pong 128x128x64); "m64" ping-pong 64x256x64 for forward and dgrad, 128x128x64 for wgrad.
 # "auto" is m64 or coop by the device's memory bandwidth. "default" sets none of the three (auto, and the tile
 # order by pass: along M for forward and dgrad, along N with swizzle 2 for wgrad).
-DEFAULT = ("default", "", "")
-VARIANTS = [DEFAULT, ("coop", "m", "1"), ("coop", "n", "2"), ("pingpong", "m", "1"), ("m64", "m", "1"), ("m64", "n", "2")]
+GEMM_VARS = ("LRMOE_GEMM_CONFIG", "LRMOE_GEMM_RASTER", "LRMOE_GEMM_SWIZZLE", "LRMOE_GEMM_ORDER")
+VARIANTS = ["default", "coop-m1", "coop-n2", "pingpong-m1", "m64-m1", "m64-n2"]
 
 
-def variant_name(cfg, raster, swz):
-    return cfg if (cfg, raster, swz) == DEFAULT else f"{cfg}-{raster}{swz}"
+def variant_env(name):
+    """The variables a variant sets: "cfg-rz" sets the kernels, raster and swizzle; a "+rows" suffix (or "rows"
+    alone, the default kernels) lists the grouped problems by their rows, most first; "default" sets none."""
+    name, by_rows = (name[:-len("+rows")], True) if name.endswith("+rows") else (name, name == "rows")
+    env = {}
+    if name not in ("default", "rows"):
+        cfg, tiles = name.rsplit("-", 1)
+        env = {"LRMOE_GEMM_CONFIG": cfg, "LRMOE_GEMM_RASTER": tiles[0], "LRMOE_GEMM_SWIZZLE": tiles[1:]}
+    if by_rows:
+        env["LRMOE_GEMM_ORDER"] = "rows"
+    return env
 
 
 def parse_variants(text):
-    """'auto-m1,pingpong-n2' -> [DEFAULT, ("auto", "m", "1"), ("pingpong", "n", "2")]: the default first."""
-    out = [DEFAULT]
+    """'auto-m1,pingpong-n2,rows' -> ["default", "auto-m1", "pingpong-n2", "rows"]: the default first."""
+    out = ["default"]
     for name in text.split(","):
-        cfg, order = name.rsplit("-", 1)
-        v = (cfg, order[0], order[1:])
-        if v not in out:
-            out.append(v)
+        variant_env(name)  # a malformed name fails here, before any timing
+        if name not in out:
+            out.append(name)
     return out
 
 
-def with_variant(fn, cfg, raster, swz):
+def with_variant(fn, name):
     """fn run under one scheduler variant (the extension reads the variables on every call)."""
+    env = variant_env(name)
+
     def run():
-        if (cfg, raster, swz) == DEFAULT:
-            clear_variant()
-        else:
-            os.environ["LRMOE_GEMM_CONFIG"], os.environ["LRMOE_GEMM_RASTER"], os.environ["LRMOE_GEMM_SWIZZLE"] = \
-                cfg, raster, swz
+        clear_variant()
+        os.environ.update(env)
         fn()
     return run
 
 
 def clear_variant():
-    for var in ("LRMOE_GEMM_CONFIG", "LRMOE_GEMM_RASTER", "LRMOE_GEMM_SWIZZLE"):
+    for var in GEMM_VARS:
         os.environ.pop(var, None)
 
 
@@ -181,9 +188,9 @@ def bench_case(name, H, F, E, k, T, skew, gen, variants=VARIANTS, passes=("fwd",
             # torch and every column of ours timed in turns (timing.median_ms_interleaved), so that a
             # drift of the clocks during the cell favours none of them
             fns = {"torch": theirs} if theirs is not None else {}
-            fns.update({lay: with_variant(ours(pname, lay), *VARIANTS[0]) for lay in ("flat", "stacked")})
-            for c, r, z in variants:
-                fns[variant_name(c, r, z)] = with_variant(ours(pname), c, r, z)
+            fns.update({lay: with_variant(ours(pname, lay), "default") for lay in ("flat", "stacked")})
+            for v in variants:
+                fns[v] = with_variant(ours(pname), v)
             timed = median_ms_interleaved(fns)
             clear_variant()
             t_torch = timed.pop("torch", float("nan"))
@@ -208,7 +215,7 @@ def main():
     p.add_argument("--no_variants", action="store_true", help="time the default scheduler only")
     p.add_argument("--variants", default=None,
                    help="kernel-scheduler variants to time, e.g. pingpong-n2,coop-m1 (default: " +
-                   ",".join(f"{c}-{r}{z}" for c, r, z in VARIANTS) + ")")
+                   ",".join(VARIANTS) + "; a '+rows' suffix, or 'rows' alone, lists the problems by rows)")
     p.add_argument("--passes", default="fwd,dgrad,wgrad")
     args = p.parse_args()
     torch.manual_seed(0)
@@ -243,7 +250,8 @@ def report(rows, dense):
              "(cooperative 128x256x64, torch._grouped_mm's, in every pass), pingpong (cooperative for forward and "
              "dgrad, ping-pong 128x128x64 for wgrad) (LRMOE_GEMM_CONFIG), raster "
              "order m|n and swizzle 1|2|4 (LRMOE_GEMM_RASTER, LRMOE_GEMM_SWIZZLE), m64 (ping-pong 64x256x64 for "
-             "forward and dgrad, ping-pong 128x128x64 for wgrad); the ratio column is the default ('default': "
+             "forward and dgrad, ping-pong 128x128x64 for wgrad), '+rows' or 'rows' (the default kernels): the grouped "
+             "problems listed by their rows, most first (LRMOE_GEMM_ORDER=rows); the ratio column is the default ('default': "
              f"LRMOE_GEMM_CONFIG auto, which on this device is {default_cfg} (m64 at >= 4.5 TB/s of peak memory "
              f"bandwidth, coop below; this device: {tbps:.2f} TB/s), tiles along M for forward and dgrad, along "
              "N with swizzle 2 for wgrad), with each expert's weights allocated separately "

@@ -19,8 +19,10 @@ def test_matches_fp64_reference(ext, rel_fro, tol, monkeypatch, shape, spread, d
     ws = [torch.randn(N, K, generator=gen).to(dtype) / K ** 0.5 for _ in range(G)]
     ref = reference.grouped_linear(x.double(), [w.double() for w in ws], sizes)
     xc, wc, sc = x.cuda(), [w.cuda() for w in ws], sizes.cuda()
-    for allow_cutlass, config in ((True, "coop"), (True, "m64"), (False, "auto")):
-        monkeypatch.setenv("LRMOE_GEMM_CONFIG", config)  # both CUTLASS kernels, the CUDA-core one; then the API by default
+    for allow_cutlass, config in ((True, "coop"), (True, "m64"), (True, "auto+rows"), (False, "auto")):
+        # both CUTLASS kernels, the default ones with the problems listed by rows, the CUDA-core one; then the API
+        monkeypatch.setenv("LRMOE_GEMM_CONFIG", config.split("+")[0])
+        monkeypatch.setenv("LRMOE_GEMM_ORDER", "rows" if config.endswith("+rows") else "index")
         out = torch.full((M, N), float("nan"), dtype=dtype, device="cuda")
         used = ext.grouped_gemm(0, xc, None, wc, sc, out, False, allow_cutlass)
         assert used == (allow_cutlass and expected_path(dtype, N, K))
@@ -33,7 +35,8 @@ def test_matches_fp64_reference(ext, rel_fro, tol, monkeypatch, shape, spread, d
 def test_bad_input(ext, monkeypatch):
     x = torch.randn(8, 16, device="cuda", dtype=torch.bfloat16)
     ws = [torch.randn(32, 16, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-    for var, value in (("LRMOE_GEMM_CONFIG", "fast"), ("LRMOE_GEMM_RASTER", "k"), ("LRMOE_GEMM_SWIZZLE", "3")):
+    for var, value in (("LRMOE_GEMM_CONFIG", "fast"), ("LRMOE_GEMM_RASTER", "k"), ("LRMOE_GEMM_SWIZZLE", "3"),
+                       ("LRMOE_GEMM_ORDER", "size")):
         with monkeypatch.context() as env:  # the benchmarks' kernel switches: a typo is an error, not the default
             env.setenv(var, value)
             with pytest.raises(ValueError, match=f"{var} must be .*'{value}'"):
