@@ -177,7 +177,8 @@ size_t run(GemmPass pass, int64_t M, int64_t N, int64_t K, int64_t G, const void
   const std::string swizzle = env_or("LRMOE_GEMM_SWIZZLE", wgrad ? "2" : "1");
   // LRMOE_GEMM_ORDER=index|rows: the problems in group order (the default) or by their rows, most first
   // (setup_kernel). Timed on the bench's Zipf routing, which lists the hottest group first already, it gained
-  // nothing (grouped_gemm_wgrad_order_h200.md); under --routing zipf_shuffled it has not been timed yet.
+  // nothing (grouped_gemm_wgrad_order_h200.md); under --routing zipf_shuffled it has not been timed yet, nor
+  // have its op tests (the "auto+rows" cases) run on a GPU since it came back (thirteenth session).
   const std::string order = env_or("LRMOE_GEMM_ORDER", "index");
   if (order != "index" && order != "rows")
     throw std::invalid_argument("LRMOE_GEMM_ORDER must be index or rows, not '" + order + "'");
