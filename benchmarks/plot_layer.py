@@ -104,9 +104,8 @@ def main(argv=None):
     tables = read_tables(text)
     if not tables:
         raise SystemExit(f"{args.table}: no bench_layer.py tables found (## headings followed by | rows)")
-    first = text.splitlines()[0].lstrip("# ").strip() if text else ""
     out = args.out or args.table.rsplit(".", 1)[0] + ".png"
-    plot(tables, out, first)
+    plot(tables, out, text.splitlines()[0].lstrip("# ").strip())  # the file's title line
     print(out)
 
 

@@ -31,3 +31,10 @@ def group_sizes(G, spread, gen, rows=600):
 def expected_path(dtype, N, K):
     """Whether the CUTLASS kernel should run (bf16, rows of whole 16-byte words) on an sm_90 GPU."""
     return dtype == torch.bfloat16 and N % 8 == 0 and K % 8 == 0 and torch.cuda.get_device_capability() == (9, 0)
+
+
+def use_kernels(monkeypatch, config):
+    """Sets the kernels a loop case names: "coop", "m64", ... (LRMOE_GEMM_CONFIG), a "+rows" suffix listing the
+    problems by their rows, most first (LRMOE_GEMM_ORDER=rows)."""
+    monkeypatch.setenv("LRMOE_GEMM_CONFIG", config.split("+")[0])
+    monkeypatch.setenv("LRMOE_GEMM_ORDER", "rows" if config.endswith("+rows") else "index")

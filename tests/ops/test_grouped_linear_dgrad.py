@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from _gemm_cases import GRID, expected_path, group_sizes
+from _gemm_cases import GRID, expected_path, group_sizes, use_kernels
 from lrmoe_ds import ops
 from lrmoe_ds.ops import reference
 
@@ -21,8 +21,7 @@ def test_matches_fp64_reference(ext, rel_fro, tol, monkeypatch, shape, spread, d
     dyc, wc, sc = dy.cuda(), [w.cuda() for w in ws], sizes.cuda()
     for allow_cutlass, config in ((True, "coop"), (True, "m64"), (True, "auto+rows"), (False, "auto")):
         # both CUTLASS kernels, the default ones with the problems listed by rows, the CUDA-core one; then the API
-        monkeypatch.setenv("LRMOE_GEMM_CONFIG", config.split("+")[0])
-        monkeypatch.setenv("LRMOE_GEMM_ORDER", "rows" if config.endswith("+rows") else "index")
+        use_kernels(monkeypatch, config)
         out = torch.full((M, K), float("nan"), dtype=dtype, device="cuda")
         used = ext.grouped_gemm(1, dyc, None, wc, sc, out, False, allow_cutlass)
         assert used == (allow_cutlass and expected_path(dtype, N, K))

@@ -3,7 +3,7 @@ overwrite and accumulate, empty groups, fp32 gradients of 16-bit inputs."""
 import pytest
 import torch
 
-from _gemm_cases import GRID, expected_path, group_sizes
+from _gemm_cases import GRID, expected_path, group_sizes, use_kernels
 from lrmoe_ds import ops
 from lrmoe_ds.ops import reference
 
@@ -25,8 +25,7 @@ def test_matches_fp64_reference(ext, rel_fro, tol, monkeypatch, shape, spread, d
     dyc, xc, sc = dy.cuda(), x.cuda(), sizes.cuda()
     for allow_cutlass, config in ((True, "coop"), (True, "pingpong"), (True, "auto+rows"), (False, "auto")):
         # both CUTLASS kernels, the default ones with the problems listed by rows, the CUDA-core one; then the API
-        monkeypatch.setenv("LRMOE_GEMM_CONFIG", config.split("+")[0])
-        monkeypatch.setenv("LRMOE_GEMM_ORDER", "rows" if config.endswith("+rows") else "index")
+        use_kernels(monkeypatch, config)
         outs = [t.cuda() if accumulate else torch.full((N, K), float("nan"), dtype=dtype, device="cuda") for t in init]
         used = ext.grouped_gemm(2, dyc, xc, outs, sc, None, accumulate, allow_cutlass)
         assert used == (allow_cutlass and expected_path(dtype, N, K))
