@@ -24,8 +24,8 @@ SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "glm-4.5-air": (4096, 1408, 128,
 # Variants by name (variant_env: "cfg-rz" sets LRMOE_GEMM_CONFIG, _RASTER and _SWIZZLE; "+rows" LRMOE_GEMM_ORDER);
 # the first is the default (see gemm.cu): "coop" runs the cooperative 128x256x64 kernel in every pass,
 # "pingpong" it for forward and dgrad only (wgrad ping-pong 128x128x64); "m64" ping-pong 64x256x64 for forward
-# and dgrad, 128x128x64 for wgrad. "auto" is m64 or coop by the device's memory bandwidth. "default" sets none of the three (auto, and the tile
-# order by pass: along M for forward and dgrad, along N with swizzle 2 for wgrad).
+# and dgrad, 128x128x64 for wgrad. "auto" is m64 or coop by the device's memory bandwidth. "default" sets
+# none of them (auto, and the tile order by pass: along M for forward and dgrad, along N with swizzle 2 for wgrad).
 GEMM_VARS = ("LRMOE_GEMM_CONFIG", "LRMOE_GEMM_RASTER", "LRMOE_GEMM_SWIZZLE", "LRMOE_GEMM_ORDER")
 VARIANTS = ["default", "coop-m1", "coop-n2", "pingpong-m1", "m64-m1", "m64-n2"]
 
