@@ -176,9 +176,10 @@ size_t run(GemmPass pass, int64_t M, int64_t N, int64_t K, int64_t G, const void
   const std::string raster = env_or("LRMOE_GEMM_RASTER", wgrad ? "n" : "m");
   const std::string swizzle = env_or("LRMOE_GEMM_SWIZZLE", wgrad ? "2" : "1");
   // LRMOE_GEMM_ORDER=index|rows: the problems in group order (the default) or by their rows, most first
-  // (setup_kernel). Timed on the bench's Zipf routing, which lists the hottest group first already, it gained
-  // nothing (grouped_gemm_wgrad_order_h200.md); under --routing zipf_shuffled it has not been timed yet, nor
-  // have its op tests (the "auto+rows" cases) run on a GPU since it came back (thirteenth session).
+  // (setup_kernel). Its wgrad on an H100 (grouped_gemm_wgrad_rows_h100.md): faster where a hot expert sits
+  // late in the list at 16k tokens (bench --routing zipf_shuffled: Qwen3 down 1.18 of torch against 1.02, GLM
+  // down 1.07 against 1.03), 1-3% slower in most other cells; on the bench's Zipf, which lists the hottest
+  // group first already, it gained nothing (grouped_gemm_wgrad_order_h200.md). So an option, not the default.
   const std::string order = env_or("LRMOE_GEMM_ORDER", "index");
   if (order != "index" && order != "rows")
     throw std::invalid_argument("LRMOE_GEMM_ORDER must be index or rows, not '" + order + "'");
