@@ -86,6 +86,15 @@ def parse_args(argv=None):
     p.add_argument("--gemm_configs", nargs="+", choices=["auto", "coop", "pingpong", "m64"], default=["auto"],
                    help="the segmented GEMM's kernels (LRMOE_GEMM_CONFIG) per LRMoE row: more than one repeats "
                         "every LRMoE row per config, timed in turns with the others")
+    p.add_argument("--quota_granules", nargs="+", type=int, default=None,
+                   help="LRMOE_QUOTA_GRANULE per LRMoE row (the water-fill's capped quotas in whole tiles of this "
+                        "many rows; 1: off): more than one repeats every LRMoE row per value, timed in turns")
+    p.add_argument("--skew", type=float, default=0.0,
+                   help="routing skew s: every layer's router gets a logit offset -s ln(rank_e) per expert (ranks a "
+                        "fixed shuffle, through input feature 0, set to 1), so loads fall off with an expert's rank and "
+                        "the hot experts sit anywhere in the list, as a trained router's: at the Qwen3 shape s = 0.05 / "
+                        "0.1 / 0.2 put the hottest expert at about 1.8x / 3x / 6x the mean; 0 (default): the random "
+                        "routers' near-uniform loads (1.16x)")
     p.add_argument("--out", default=None, help="write the markdown here (rewritten after every table)")
     return p.parse_args(argv)
 
@@ -105,10 +114,28 @@ def row_specs(args):
                                  {"enabled": True, "retention_ratio": r, "policy": policy, "metric": args.metric,
                                   "router_grad": args.router_grad, "quota_allocation": allocation,
                                   "dropped_router_dots": dots}))
-    configs = args.gemm_configs
-    return [(name if kind != "lrmoe" or len(configs) == 1 else f"{name}, gemm {config}", kind, block,
-             config if kind == "lrmoe" else None)
-            for name, kind, block in rows for config in (configs if kind == "lrmoe" else [None])]
+    variants = [(f", gemm {c}" if len(args.gemm_configs) > 1 else "", {"LRMOE_GEMM_CONFIG": c})
+                for c in args.gemm_configs]
+    if args.quota_granules:
+        variants = [(name + (f", granule {g}" if len(args.quota_granules) > 1 else ""),
+                     dict(env, LRMOE_QUOTA_GRANULE=str(g))) for name, env in variants for g in args.quota_granules]
+    return [(name + suffix if kind == "lrmoe" else name, kind, block, env if kind == "lrmoe" else None)
+            for name, kind, block in rows for suffix, env in (variants if kind == "lrmoe" else [("", None)])]
+
+
+def skew_routing(layers, x, s, seed=0):
+    """Every router's logits offset by -s ln(rank_e), through input feature 0 (set to 1 in x): column 0 of each
+    router weight becomes the offsets. Returns the offsets."""
+    gen = torch.Generator().manual_seed(seed)
+    E = next(p for n, p in layers[0].named_parameters() if n.endswith("wg.weight")).shape[0]
+    rank = torch.randperm(E, generator=gen) + 1
+    offsets = -s * torch.log(rank.double())
+    x[:, 0] = 1.0
+    for layer in layers:
+        for n, p in layer.named_parameters():
+            if n.endswith("wg.weight"):
+                p.data[:, 0] = offsets.to(p.device, p.dtype)
+    return offsets
 
 
 def build(kind, H, Fh, E, k):
@@ -184,8 +211,9 @@ def render(name, ms, mem, failed, flops):
     """One table row, from the times (ms), memories (GiB held, GiB peak) and failures measured so far."""
     if name in failed:
         return f"| {name} | failed: {failed[name]} | | | | | | | |"
-    gemm = name[name.index(", gemm "):] if ", gemm " in name else ""  # against 1.0 with the same GEMM config
-    ref = mem.get(f"LRMoE retention {1.0:g}, stash{gemm}", (None, None))
+    variant = name[name.index(", gemm "):] if ", gemm " in name else \
+        name[name.index(", granule "):] if ", granule " in name else ""  # against 1.0 with the same variant
+    ref = mem.get(f"LRMoE retention {1.0:g}, stash{variant}", (None, None))
     held, peak = mem[name]
     return (f"| {name} | {ms[name]:.2f} | {flops / ms[name] / 1e9:.0f} | {ratio(ms.get(ANCHOR), ms[name])} | "
             f"{ratio(ms.get(DEEPSPEED), ms[name])} | {held:.2f} | {ratio(held, ref[0])} | {peak:.2f} | "
@@ -252,33 +280,44 @@ def main():
             torch.manual_seed(0)
             layers[kind] = to_device_flat(build(kind, H, Fh, E, k).to(dt), dev)
         for T in args.tokens:
-            emit(f"## {title} (H {H}, F {Fh} SwiGLU, {E} experts, top-{k}), {T} tokens", "",
-                 "| layer | ms | TFLOP/s | speed vs anchor | speed vs DeepSpeed | held GiB | held vs 1.0 stash | "
-                 "peak GiB | peak vs 1.0 stash |",
-                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
             torch.manual_seed(T)
             x = torch.randn(T, H, device=dev, dtype=dt)
             grad = torch.randn_like(x)
+            if args.skew:
+                skew_routing(list(layers.values()), x, args.skew)
+            loads = ""
+            if "lrmoe" in layers:
+                with torch.no_grad():
+                    counts = layers["lrmoe"](x)[2].float()
+                loads = (f" Expert loads (LRMoE's router, skew {args.skew:g}): max / mean "
+                         f"{counts.max() / counts.mean():.2f}, min / mean {counts.min() / counts.mean():.2f}.")
+            emit(f"## {title} (H {H}, F {Fh} SwiGLU, {E} experts, top-{k}), {T} tokens", "", loads.strip(), "",
+                 "| layer | ms | TFLOP/s | speed vs anchor | speed vs DeepSpeed | held GiB | held vs 1.0 stash | "
+                 "peak GiB | peak vs 1.0 stash |",
+                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
             flops = 3 * 2 * T * k * 3 * H * Fh
             ms, mem, failed = {}, {}, {}
 
-            def prepare(layer, block, gemm):
+            def prepare(layer, block, env):
                 def run():
                     if block is not None:
                         layer.configure(lrmoe_ds.LRMoEConfig(**block))
-                    if gemm is not None:  # read by the GEMM op at every call
-                        os.environ["LRMOE_GEMM_CONFIG"] = gemm
+                    for var in ("LRMOE_GEMM_CONFIG", "LRMOE_QUOTA_GRANULE"):  # read at every call
+                        if env is not None and var in env:
+                            os.environ[var] = env[var]
+                        elif env is not None:
+                            os.environ.pop(var, None)
                     clear_grads(layer)
                 return run
 
             fns, setups = {}, {}
-            for name, kind, block, gemm in specs:  # memory, one row at a time; a row that fails is left out
+            for name, kind, block, env in specs:  # memory, one row at a time; a row that fails is left out
                 layer = layers[kind]
                 try:
-                    prepare(layer, block, gemm)()
+                    prepare(layer, block, env)()
                     mem[name] = memory(layer, x, grad)
                     fns[name], setups[name] = (lambda layer=layer: step(layer, x, grad, clear=back_to_back)), \
-                        prepare(layer, block, gemm)
+                        prepare(layer, block, env)
                 except Exception as err:  # noqa: BLE001  (one failing row must not lose the others)
                     failed[name] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:120]}"
                 torch.cuda.empty_cache()

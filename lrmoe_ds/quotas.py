@@ -4,7 +4,9 @@ Made in the forward from the global counts n_e (known on every rank after the di
 all-gather), so every rank computes the same quotas and shares without more communication; the
 backward's compacted all-to-all sizes follow from them.
 """
+import functools
 import math
+import os
 from dataclasses import dataclass
 from typing import Literal, Optional, Tuple
 
@@ -28,12 +30,18 @@ class MemoryPlan:
     dropped_router_dots: Literal["saved", "recomputed"] = "saved"
 
 
-def _level(n: torch.Tensor, budget: int) -> torch.Tensor:
+def _level(n: torch.Tensor, budget: int, granule: int = 1) -> torch.Tensor:
     """min(n, c) for the largest integer cap c with sum(min(n, c)) <= budget (water-fill from above).
 
     One pass over the sorted counts (host ints; it runs in every training forward, so no tensor ops):
     for c between the i-th and the (i+1)-th smallest count, sum(min(n, c)) = (sum of the i smallest) +
-    c (E - i), linear in c."""
+    c (E - i), linear in c.
+
+    granule g > 1 (where c >= g): the capped experts (n_e > c) keep whole multiples of g instead, since the
+    backward's GEMMs tile a group's rows by 64 and compute a partial last tile in full: each keeps floor(c / g) g,
+    and the pairs that frees go back in whole tiles to the hottest capped experts (ties: lower index), each at
+    most its n_e. The sum stays within the budget and within g of the plain water-fill's; the cold experts
+    (n_e <= c) keep every pair, as before."""
     vals = n.tolist()
     if sum(vals) <= budget:
         return n.clone()
@@ -43,7 +51,17 @@ def _level(n: torch.Tensor, budget: int) -> torch.Tensor:
             cap = max(0, (budget - prefix) // (E - i))
             break
         prefix += v
-    return torch.clamp(n, max=cap)
+    if granule <= 1 or cap < granule:
+        return torch.clamp(n, max=cap)
+    base = cap // granule * granule
+    q = [v if v <= cap else base for v in vals]
+    left = budget - sum(q)
+    for e in sorted((e for e, v in enumerate(vals) if v > cap), key=lambda e: (-vals[e], e)):
+        add = min(granule, vals[e] - base)
+        if add <= left:
+            q[e] += add
+            left -= add
+    return torch.tensor(q, dtype=n.dtype)
 
 
 def _scale(n: torch.Tensor, budget: int) -> torch.Tensor:
@@ -63,9 +81,16 @@ def _scale(n: torch.Tensor, budget: int) -> torch.Tensor:
 ALLOCATIONS = {"waterfill": _level, "proportional": _scale}
 
 
+def quota_granule(device: torch.device) -> int:
+    """Rows per tile of the backward's grouped GEMMs on ``device``: 64 on CUDA (the H200's 64-row forward/dgrad
+    tiles, the wgrad's 64-deep K step), where the water-fill then keeps whole tiles of each capped expert; 1 (any
+    count) elsewhere, where nothing is tiled. LRMOE_QUOTA_GRANULE overrides it on CUDA (1: off, for A/B timings)."""
+    return int(os.environ.get("LRMOE_QUOTA_GRANULE", "64")) if device.type == "cuda" else 1
+
+
 def plan_quotas(counts: torch.Tensor, retention_ratio: float = 1.0, ep_size: int = 1, floor: float = 0.0,
                 balance_factor: float = float("inf"), max_rows_per_rank: Optional[int] = None,
-                allocation: Literal["waterfill", "proportional"] = "waterfill") -> torch.Tensor:
+                allocation: Literal["waterfill", "proportional"] = "waterfill", granule: int = 1) -> torch.Tensor:
     """Q_e, the pairs of each expert whose backward runs.
 
     counts [E] int (n_e over the expert-parallel group; expert e lives on rank e // (E / ep_size)).
@@ -75,11 +100,14 @@ def plan_quotas(counts: torch.Tensor, retention_ratio: float = 1.0, ep_size: int
     2. per rank, if its retained rows exceed max_rows_per_rank, or (when anything was dropped)
        balance_factor times the mean over ranks, its own experts' quotas are cut the same way;
     3. floor: Q_e >= ceil(floor * n_e), whatever the caps.
-    Ratio 1 with no budget gives Q = n (exact).
+    Ratio 1 with no budget gives Q = n (exact). granule: the water-fill's capped quotas in whole GEMM tiles
+    (:func:`_level`; the layer passes :func:`quota_granule`); "proportional" ignores it.
     """
     if allocation not in ALLOCATIONS:
         raise ValueError(f"unknown quota allocation {allocation!r}; accepted: {', '.join(ALLOCATIONS)}")
     cut = ALLOCATIONS[allocation]
+    if allocation == "waterfill" and granule > 1:
+        cut = functools.partial(_level, granule=granule)
     if not 0.0 < retention_ratio <= 1.0:
         raise ValueError(f"retention_ratio must be in (0, 1], got {retention_ratio}")
     n = counts.detach().long().cpu()

@@ -111,3 +111,26 @@ def test_no_host_synchronisation_on_one_gpu(retention, allocation, dots):
         assert int(layer.last_stats.retained().sum()) == T * K // 2 if allocation == "threshold" else \
             int(layer.last_stats.quotas.sum()) <= int(retention * T * K)
     ops.set_default_backend("auto")
+
+
+def test_capped_quotas_in_whole_tiles_on_cuda(monkeypatch):
+    """On CUDA the water-fill keeps whole 64-row tiles of each capped expert (quota_granule), and the backward
+    keeps exactly those quotas; LRMOE_QUOTA_GRANULE=1 gives the plain water-fill."""
+    from lrmoe_ds.quotas import plan_quotas
+    torch.manual_seed(0)
+    layer = lrmoe_ds.LRMoE(H, num_experts=E, k=K, ffn_hidden_size=F).cuda().bfloat16()
+    layer.configure(lrmoe_ds.LRMoEConfig(enabled=True, retention_ratio=0.3))
+    layer.keep_last_selection = True
+    x = torch.randn(4096, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    for granule in (None, "1"):
+        if granule is None:
+            monkeypatch.delenv("LRMOE_QUOTA_GRANULE", raising=False)
+        else:
+            monkeypatch.setenv("LRMOE_QUOTA_GRANULE", granule)
+        layer(x)[0].float().square().sum().backward()
+        q, n = layer.last_stats.quotas, layer.last_stats.counts
+        assert torch.equal(q, plan_quotas(n, 0.3, granule=int(granule or 64)))
+        assert layer.last_selection["pairs"].numel() == int(q.sum())
+    assert not torch.equal(plan_quotas(n, 0.3, granule=64), plan_quotas(n, 0.3))  # the case tests something
+    capped = plan_quotas(n, 0.3, granule=64) < n
+    assert capped.any() and torch.all(plan_quotas(n, 0.3, granule=64)[capped] % 64 == 0)

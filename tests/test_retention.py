@@ -41,6 +41,49 @@ def test_water_fill_level_is_the_largest_cap_within_the_budget(seed):
         assert torch.equal(_level(n, budget), n.clamp(max=best)), (n.tolist(), budget)
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_water_fill_in_whole_tiles(seed):
+    """With a granule g the capped experts keep whole multiples of g (or all their pairs), within g of the plain
+    cap; the cold experts keep every pair; the sum stays within the budget and within g of the plain water-fill's;
+    the freed pairs go back in whole tiles to the hottest first. g = 1, or a cap below g, is the plain water-fill."""
+    from lrmoe_ds.quotas import _level
+    g = torch.Generator().manual_seed(seed)
+    E = int(torch.randint(1, 40, (1,), generator=g))
+    n = torch.randint(0, 900, (E,), generator=g)
+    n[int(torch.randint(0, E, (1,), generator=g))] = 3000                   # one hot expert
+    for granule in (8, 64):
+        for budget in sorted({1, int(n.sum()) // 4, int(n.sum()) // 2, int(n.sum()) - 1, int(n.sum())}):
+            plain, q = _level(n, budget), _level(n, budget, granule)
+            assert torch.equal(_level(n, budget, 1), plain)
+            cap = int(plain.max())
+            if cap < granule or torch.equal(plain, n):
+                assert torch.equal(q, plain), (n.tolist(), budget, granule)
+                continue
+            capped = n > cap
+            assert torch.equal(q[~capped], n[~capped])                       # the cold keep every pair
+            assert torch.all(q <= n) and torch.all((q[capped] % granule == 0) | (q[capped] == n[capped]))
+            assert torch.all((q[capped] - cap).abs() < granule)
+            assert budget - granule < int(q.sum()) <= budget and int(q.sum()) > int(plain.sum()) - granule
+            full = [e for e in sorted(range(E), key=lambda e: (-int(n[e]), e))
+                    if capped[e] and int(n[e]) >= cap // granule * granule + granule]
+            extra = [int(q[e]) > cap // granule * granule for e in full]
+            assert extra == sorted(extra, reverse=True), (n.tolist(), budget, q.tolist())  # a prefix, hottest first
+
+
+def test_quota_granule_by_device(monkeypatch):
+    """Whole tiles only where the GEMMs tile (CUDA); the environment overrides it there."""
+    from lrmoe_ds.quotas import quota_granule
+    monkeypatch.delenv("LRMOE_QUOTA_GRANULE", raising=False)
+    assert quota_granule(torch.device("cpu")) == 1 and quota_granule(torch.device("cuda")) == 64
+    monkeypatch.setenv("LRMOE_QUOTA_GRANULE", "1")
+    assert quota_granule(torch.device("cuda")) == 1
+    n = torch.tensor([700, 650, 600, 90, 0, 515])
+    q = plan_quotas(n, 0.5, granule=64)
+    assert q.tolist() == [320, 320, 256, 90, 0, 256] and int(q.sum()) <= int(0.5 * int(n.sum()))
+    assert plan_quotas(n, 0.5, allocation="proportional", granule=64).tolist() == \
+        plan_quotas(n, 0.5, allocation="proportional").tolist()  # the granule is the water-fill's
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_proportional_allocation_keeps_one_fraction_to_the_pair(seed):
     """Every expert keeps floor or ceil of ratio * n_e, the quotas sum to the target exactly, and the
@@ -199,6 +242,24 @@ def layer_grads(layer, x, step=0, checkpointed=False):
 
 def configure(layer, **kw):
     layer.configure(lrmoe_ds.LRMoEConfig(enabled=True, **kw))
+
+
+def test_layer_plans_whole_tiles_where_the_gemms_tile(monkeypatch):
+    """The layer asks quota_granule for its device (1 on CPU: the plain water-fill); with a granule its capped
+    experts keep whole tiles, and the backward keeps exactly those quotas."""
+    layer, x = make_layer()
+    configure(layer, retention_ratio=0.3)
+    layer.keep_last_selection = True
+    layer_grads(layer, x)
+    n = layer.last_stats.counts
+    assert torch.equal(layer.last_stats.quotas, plan_quotas(n, 0.3))
+    monkeypatch.setattr(lrmoe_ds.layer, "quota_granule", lambda device: 8)
+    layer_grads(layer, x)
+    q = layer.last_stats.quotas
+    assert torch.equal(q, plan_quotas(n, 0.3, granule=8)) and not torch.equal(q, plan_quotas(n, 0.3))
+    capped = q < n
+    assert capped.any() and torch.all(q[capped] % 8 == 0)
+    assert layer.last_selection["pairs"].numel() == int(q.sum())
 
 
 def test_retention_schedule_sets_each_steps_target():
