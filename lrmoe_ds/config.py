@@ -7,11 +7,11 @@ Example::
 
 No block, or ``"enabled": false``: every LRMoE layer is an exact dropless MoE.
 """
-import json
 from typing import Any, Dict, List, Literal, Mapping, Optional, Tuple, Union
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import Field, ValidationError, model_validator
+from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+from pydantic import Field, StrictBool, ValidationError, model_validator
 
 CONFIG_KEY = "lrmoe"
 
@@ -19,10 +19,10 @@ CONFIG_KEY = "lrmoe"
 class LRMoEConfig(DeepSpeedConfigModel):
     """Settings shared by every LRMoE layer of a model."""
 
-    enabled: bool = False
+    enabled: StrictBool = False
     """Retention in the backward. false: every routed pair's backward runs (exact)."""
 
-    retention_ratio: float = Field(1.0, gt=0.0, le=1.0)
+    retention_ratio: float = Field(1.0, gt=0.0, le=1.0, strict=True, allow_inf_nan=False)
     """Fraction of a layer's routed pairs whose expert backward runs, in (0, 1], shared among the
     experts by ``quota_allocation``."""
 
@@ -50,10 +50,10 @@ class LRMoEConfig(DeepSpeedConfigModel):
     """"priority_sampling": sample pairs with probability rising with the metric, weighted so the
     gradient is unbiased. "topk": keep the largest metrics, unweighted (biased; an ablation only)."""
 
-    seed: int = Field(1234, ge=0)
+    seed: int = Field(1234, ge=0, strict=True)
     """Seed of the retention sampling (combined with the layer, step and rank)."""
 
-    rescale: bool = True
+    rescale: StrictBool = True
     """Weight each retained pair by its priority-sampling weight max(1, tau/m) so the expert gradient
     is unbiased. false keeps the retained terms unweighted (biased; an ablation)."""
 
@@ -72,15 +72,15 @@ class LRMoEConfig(DeepSpeedConfigModel):
     (or "auto" on the planner's word) sends the dots back from the experts in one more all-to-all, of 4 bytes a
     pair, instead of keeping y, 2 H bytes a pair in bf16."""
 
-    floor: float = Field(0.0, ge=0.0, le=1.0)
+    floor: float = Field(0.0, ge=0.0, le=1.0, strict=True, allow_inf_nan=False)
     """Minimum retained fraction of every expert's pairs, so that no expert starves. It wins over
     the target and the budget."""
 
-    balance_factor: float = Field(1.25, ge=1.0)
+    balance_factor: float = Field(1.25, ge=1.0, strict=True, allow_inf_nan=False)
     """When pairs are dropped, no expert-parallel rank retains more than this times the mean
     retained rows per rank: its hottest experts are capped further."""
 
-    replica_slots: int = Field(0, ge=0)
+    replica_slots: int = Field(0, ge=0, strict=True)
     """Spare expert slots per expert-parallel rank for replicas of the hottest experts in the backward
     (DESIGN.md steps 8 and 11; ep_size > 1 and the "recompute" policy, where a retained row carries its
     input and can run on any instance of its expert). Each step the planner levels the retained rows per
@@ -88,7 +88,7 @@ class LRMoEConfig(DeepSpeedConfigModel):
     token's rows go to the instance on its own rank first, and the replicas' weights are fetched from
     their homes in the backward and their gradients summed back into the home expert's. 0: off."""
 
-    replica_min_rows: int = Field(1024, ge=1)
+    replica_min_rows: int = Field(1024, ge=1, strict=True)
     """A replica is placed only where it takes at least this many retained rows. Why 1024: a replica's
     weights out and gradient back are 12 H F bytes (bf16), the backward of one recomputed row is 16 H F
     FLOPs, so at the H200's ~600 TFLOP/s and ~450 GB/s of NVLink per direction the transfer costs about
@@ -101,22 +101,22 @@ class LRMoEConfig(DeepSpeedConfigModel):
     the backward recomputes the retained pairs alone), or "auto" (stash while the memory planner finds
     that it fits the budget, else recompute)."""
 
-    budget_gib: Optional[float] = Field(None, gt=0.0)
+    budget_gib: Optional[float] = Field(None, gt=0.0, strict=True, allow_inf_nan=False)
     """Per-GPU memory budget in GiB. None (and no budget_fraction): unbounded."""
 
-    budget_fraction: Optional[float] = Field(None, gt=0.0, le=1.0)
+    budget_fraction: Optional[float] = Field(None, gt=0.0, le=1.0, strict=True, allow_inf_nan=False)
     """Per-GPU memory budget as a fraction of the accelerator's total memory."""
 
-    reserve_gib: float = Field(1.0, ge=0.0)
+    reserve_gib: float = Field(1.0, ge=0.0, strict=True, allow_inf_nan=False)
     """Memory kept free under the budget (allocator fragmentation, communication buffers)."""
 
-    warmup_steps: int = Field(3, ge=1)
+    warmup_steps: int = Field(3, ge=1, strict=True)
     """Optimizer steps whose peak memory the planner measures before its first budgeted plan."""
 
-    report_interval: int = Field(10, ge=1)
+    report_interval: int = Field(10, ge=1, strict=True)
     """Every this many steps the planner writes per-expert retention to DeepSpeed's monitor."""
 
-    expert_bias_update_rate: float = Field(0.0, ge=0.0)
+    expert_bias_update_rate: float = Field(0.0, ge=0.0, strict=True, allow_inf_nan=False)
     """Aux-loss-free load balancing (DeepSeek-V3's, GLM-4.5's; Megatron-Core's
     moe_router_bias_update_rate): after every optimizer step, each layer built with ``expert_bias``
     moves its selection bias by this much towards balance, +rate for an expert that got fewer pairs than
@@ -130,6 +130,9 @@ class LRMoEConfig(DeepSpeedConfigModel):
     def _one_budget(self):
         if self.budget_gib is not None and self.budget_fraction is not None:
             raise ValueError("give budget_gib or budget_fraction, not both")
+        if self.budget_gib is not None and self.budget_gib <= self.reserve_gib:
+            raise ValueError(f"budget_gib ({self.budget_gib:g}) leaves nothing above reserve_gib ({self.reserve_gib:g}): "
+                             "raise the budget or lower the reserve")
         return self
 
     @model_validator(mode="after")
@@ -184,21 +187,27 @@ def _format_error(err: ValidationError) -> str:
 
 
 def parse_config(config: Union[None, str, Mapping[str, Any]]) -> LRMoEConfig:
-    """The ``"lrmoe"`` block of a DeepSpeed config (a path to the json, or its dict), validated.
+    """The ``"lrmoe"`` block of a DeepSpeed config (a path to the json, its dict, or what else DeepSpeed reads:
+    hjson, a base64 string), validated.
 
     Raises ValueError naming the bad key and what is accepted.
     """
     if config is None:
         return LRMoEConfig()
     if isinstance(config, str):
-        with open(config) as f:
-            config = json.load(f)
+        config = load_ds_config(config)  # DeepSpeed's own reader: hjson (comments allowed), or base64
     if not isinstance(config, Mapping):
         raise TypeError(f"DeepSpeed config must be a path or a dict, got {type(config).__name__}")
-    block: Dict[str, Any] = config.get(CONFIG_KEY) or {}
+    block = config.get(CONFIG_KEY)
+    if block is None:
+        block = {}
     if not isinstance(block, Mapping):
         raise ValueError(f'ds_config "{CONFIG_KEY}" must be an object, got {type(block).__name__}')
+    if "strict" in block:  # DeepSpeedConfigModel's own argument, not a key of this block
+        raise ValueError(f'invalid ds_config "{CONFIG_KEY}" block: unknown key "strict"; accepted keys: '
+                         f'{", ".join(LRMoEConfig.model_fields)}')
     try:
-        return LRMoEConfig(**block)
+        # strict: DeepSpeed's models otherwise drop every "auto" value, which would make e.g. budget_gib "auto" unbounded
+        return LRMoEConfig(strict=True, **block)
     except ValidationError as err:
         raise ValueError(f'invalid ds_config "{CONFIG_KEY}" block: {_format_error(err)}') from None

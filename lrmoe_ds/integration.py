@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Optional
 import deepspeed
 import torch.distributed as dist
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+from deepspeed.utils import logger
 from torch import nn
 
 from lrmoe_ds.balancing import ExpertBiasBalancer
@@ -32,7 +33,7 @@ def initialize(args=None, model: Optional[nn.Module] = None, config: Any = None,
                model_parameters: Optional[Any] = None, **kwargs):
     """``deepspeed.initialize`` for models with LRMoE layers.
 
-    Reads and validates the config's "lrmoe" block (the config given here, or
+    Reads and validates the config's "lrmoe" block (the config given here, ``config_params``, or
     ``args.deepspeed_config``) before anything starts, configures every LRMoE layer with it, builds
     DeepSpeed's MoE parameter groups when ``model_parameters`` is not given, then calls
     ``deepspeed.initialize`` with the same arguments, and (when the block is enabled) attaches a
@@ -44,7 +45,9 @@ def initialize(args=None, model: Optional[nn.Module] = None, config: Any = None,
     """
     if model is None:
         raise ValueError("lrmoe_ds.initialize needs a model")
-    source = config if config is not None else getattr(args, "deepspeed_config", None)
+    # wherever deepspeed.initialize would read the config from: config, config_params (its older name), the args
+    source = next((c for c in (config, kwargs.get("config_params"), getattr(args, "deepspeed_config", None),
+                               getattr(args, "deepscale_config", None)) if c is not None), None)
     lrmoe_config = configure_model(model, parse_config(source))
     if model_parameters is None:
         params: Dict[str, Any] = {"params": [p for p in model.parameters() if p.requires_grad], "name": "parameters"}
@@ -55,6 +58,9 @@ def initialize(args=None, model: Optional[nn.Module] = None, config: Any = None,
     if lrmoe_config.expert_bias_update_rate > 0:
         engine.lrmoe_balancer = ExpertBiasBalancer(lrmoe_layers(model), lrmoe_config.expert_bias_update_rate)
         engine.lrmoe_balancer.attach(engine)
+    if not lrmoe_config.enabled and (lrmoe_config.budget_gib is not None or lrmoe_config.budget_fraction is not None):
+        logger.warning('LRMoE: the "lrmoe" block sets a memory budget but "enabled" is false: every layer is exact, '
+                       "no planner is attached and the budget is not used")
     if lrmoe_config.enabled and lrmoe_layers(model):
         # the memory planner follows every training step through a forward pre-hook on the engine's module
         engine.lrmoe_planner = MemoryPlanner(lrmoe_config, lrmoe_layers(model))

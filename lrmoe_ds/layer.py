@@ -20,7 +20,8 @@ from lrmoe_ds.dispatcher import AllToAllDispatcher, DispatchPlan
 from lrmoe_ds.experts import EXPERT_TYPES, GroupedExperts
 from lrmoe_ds.placement import plan_with_replicas
 from lrmoe_ds.pipeline import ExpertWeights, RoutedMLP, WeightGrads, router_dots_from_rows, stash_keeps_rows
-from lrmoe_ds.quotas import MemoryPlan, RetentionStats, expert_row_bytes, plan_quotas, quota_granule, rank_shares
+from lrmoe_ds.quotas import (MemoryPlan, RetentionStats, expert_row_bytes, plan_quotas, quota_granule, rank_shares,
+                             target_pairs)
 from lrmoe_ds.retention import BackwardSpec
 from lrmoe_ds.router import Router
 
@@ -177,7 +178,7 @@ class LRMoE(MoE):
             if cfg.quota_allocation == "threshold":
                 # per-expert caps from the budget alone; each rank keeps `ratio` of its own pairs over all experts
                 quotas = plan_quotas(n, 1.0, R, 0.0, cfg.balance_factor, max_rows, granule=granule)
-                totals = [int(ratio * c) for c in plan.all_counts.sum(1).tolist()]
+                totals = [target_pairs(ratio, c) for c in plan.all_counts.sum(1).tolist()]
             elif replicas:
                 quotas, shares, placed = plan_with_replicas(n, plan.all_counts, cfg.replica_slots, ratio, cfg.floor,
                                                             cfg.balance_factor, max_rows, cfg.quota_allocation,

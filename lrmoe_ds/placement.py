@@ -23,7 +23,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from lrmoe_ds.dispatcher import to_device
-from lrmoe_ds.quotas import ALLOCATIONS, plan_quotas, rank_shares
+from lrmoe_ds.quotas import ALLOCATIONS, floor_pairs, plan_quotas, rank_shares
 
 
 def _replica_slots(replica_expert: torch.Tensor, num_local_experts: int) -> Dict[int, List[int]]:
@@ -249,7 +249,7 @@ def plan_with_replicas(counts: torch.Tensor, all_counts: torch.Tensor, slots: in
     placed = replica_expert >= 0
     quotas.index_add_(0, replica_expert[placed], capacity[:, El:][placed])
     if floor > 0:
-        deficit = (torch.minimum(n, torch.ceil(floor * n.double()).long()) - quotas).clamp_min(0)
+        deficit = (torch.minimum(n, floor_pairs(floor, n)) - quotas).clamp_min(0)
         capacity[:, :El] += deficit.view(R, El)
         quotas += deficit
     shares = rank_shares(quotas, all_counts)

@@ -119,7 +119,11 @@ class MemoryPlanner:
             total = c.budget_fraction * self._memory("total_memory")
         else:
             return None
-        return max(0, int(total - c.reserve_gib * GIB))
+        if total <= c.reserve_gib * GIB:  # (budget_gib: the config refuses it) a budget of nothing caps every layer
+            raise ValueError(f"budget_fraction {c.budget_fraction:g} of this accelerator's {total / c.budget_fraction / GIB:.1f} "
+                             f"GiB leaves nothing above reserve_gib ({c.reserve_gib:g})"
+                             + ("; it reports no total memory: give budget_gib instead" if total == 0 else ""))
+        return int(total - c.reserve_gib * GIB)
 
     def attach(self, engine) -> None:
         """Reads the engine's static memory and monitor, and calls on_step at the first forward of each step."""

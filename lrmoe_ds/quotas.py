@@ -7,6 +7,7 @@ backward's compacted all-to-all sizes follow from them.
 import functools
 import math
 import os
+from fractions import Fraction
 from dataclasses import dataclass
 from typing import Literal, Optional, Tuple
 
@@ -64,6 +65,17 @@ def _level(n: torch.Tensor, budget: int, granule: int = 1) -> torch.Tensor:
     return torch.tensor(q, dtype=n.dtype)
 
 
+def target_pairs(ratio: float, pairs: int) -> int:
+    """floor(ratio * pairs) for the ratio as written (0.7 of 90 is 63, where 0.7 * 90 is 62.99999999999999 in floats)."""
+    return math.floor(Fraction(repr(float(ratio))) * pairs)
+
+
+def floor_pairs(fraction: float, n: torch.Tensor) -> torch.Tensor:
+    """ceil(fraction * n_e) per expert, exactly for the fraction as written (0.07 of 100 is 7, not 8)."""
+    num, den = Fraction(repr(float(fraction))).as_integer_ratio()
+    return torch.tensor([(num * v + den - 1) // den for v in n.tolist()], dtype=torch.long)
+
+
 def _scale(n: torch.Tensor, budget: int) -> torch.Tensor:
     """floor(n_e budget / sum n) plus one for the largest remainders (ties: lower index), summing to
     ``budget`` (every expert keeps the same fraction, to the pair); n itself if it is within budget."""
@@ -113,19 +125,20 @@ def plan_quotas(counts: torch.Tensor, retention_ratio: float = 1.0, ep_size: int
     n = counts.detach().long().cpu()
     if n.numel() % ep_size:
         raise ValueError(f"{n.numel()} experts cannot be split over ep_size {ep_size}")
-    q = cut(n, int(retention_ratio * int(n.sum())))
+    q = cut(n, target_pairs(retention_ratio, int(n.sum())))
     per_rank = q.view(ep_size, -1)
     caps = [float("inf")] * ep_size
     if max_rows_per_rank is not None:
         caps = [max_rows_per_rank] * ep_size
     if not torch.equal(q, n) and ep_size > 1:
         mean = float(per_rank.sum()) / ep_size
-        caps = [min(c, math.floor(balance_factor * mean)) if math.isfinite(balance_factor) else c for c in caps]
+        bound = balance_factor * mean  # (a finite factor can still overflow: no bound then)
+        caps = [min(c, math.floor(bound)) if math.isfinite(bound) else c for c in caps]
     for r, cap in enumerate(caps):
         if int(per_rank[r].sum()) > cap:
             per_rank[r] = cut(per_rank[r], int(cap))
     if floor > 0:
-        q = torch.maximum(q, torch.minimum(n, torch.ceil(floor * n.double()).long()))
+        q = torch.maximum(q, torch.minimum(n, floor_pairs(floor, n)))
     return q.view_as(n)
 
 
@@ -176,7 +189,7 @@ class RetentionStats:
                  dropped_router_dots: str = "saved",
                  capped_bytes_per_row: Optional[Tuple[int, Optional[int], int]] = None):
         self._counts, self._quotas = counts, quotas
-        self.rows_per_rank, self.retained_per_rank = rows_per_rank, retained_per_rank
+        self.rows_per_rank, self._retained_per_rank = rows_per_rank, retained_per_rank
         self.policy, self.stash_bytes_per_row, self.backward_bytes_per_row = policy, stash_bytes_per_row, \
             backward_bytes_per_row
         self.recompute_bytes_per_row, self.lean_stash_bytes_per_row = recompute_bytes_per_row, lean_stash_bytes_per_row
@@ -205,6 +218,14 @@ class RetentionStats:
         if self._quotas is None:
             self._quotas = self.counts.clone()
         return self._quotas
+
+    @property
+    def retained_per_rank(self) -> torch.Tensor:
+        """[R] retained rows at each expert-parallel rank: the backward's count where it chose them (the "threshold"
+        allocation, whose quotas are only caps), else the planned one."""
+        if self.kept is None:
+            return self._retained_per_rank
+        return self.kept.get().view(len(self._retained_per_rank), -1).sum(1)
 
     def set_kept(self, kept: torch.Tensor) -> None:
         """The backward's kept pairs per expert [E]; copied to the host without waiting (read when asked for)."""

@@ -24,6 +24,15 @@ def test_defaults_are_exact():
     ({"metric": "norm"}, r"\"metric\": Input should be 'grad_norm', 'gate' or 'uniform'"),
     ({"enabled": "sometimes"}, r'"enabled": Input should be a valid boolean'),
     ({"seed": -1}, r'"seed": Input should be greater than or equal to 0'),
+    # DeepSpeed's config models drop "auto" values; here it would have meant "no budget"
+    ({"enabled": True, "budget_gib": "auto"}, r'"budget_gib": Input should be a valid number'),
+    ({"enabled": "yes"}, r'"enabled": Input should be a valid boolean'),
+    ({"retention_ratio": "0.5"}, r'"retention_ratio": Input should be a valid number'),
+    ({"warmup_steps": 2.5}, r'"warmup_steps": Input should be a valid integer'),
+    ({"budget_gib": float("inf")}, r'"budget_gib": Input should be a finite number'),
+    ({"balance_factor": float("nan")}, r'"balance_factor": Input should be a finite number'),
+    ({"budget_gib": 0.5}, r"budget_gib \(0.5\) leaves nothing above reserve_gib \(1\)"),
+    ({"strict": True}, r'unknown key "strict"'),
 ])
 def test_bad_block_names_the_key(block, message):
     with pytest.raises(ValueError, match=message):
@@ -64,6 +73,21 @@ def test_path_and_non_object(tmp_path):
     assert parse_config(str(path)).enabled
     with pytest.raises(ValueError, match='"lrmoe" must be an object'):
         parse_config({"lrmoe": [1]})
+    for not_an_object in ([], False, 0, ""):
+        with pytest.raises(ValueError, match='"lrmoe" must be an object'):
+            parse_config({"lrmoe": not_an_object})
+    assert parse_config({"lrmoe": {"policy": "auto", "dropped_router_dots": "auto"}}).policy == "auto"
+    assert parse_config({"lrmoe": {"retention_ratio": 1, "budget_gib": 8}}).retention_ratio == 1.0  # ints are numbers
+
+
+def test_configs_deepspeed_reads_are_read_alike(tmp_path):
+    """What DeepSpeed's own loader reads: hjson (comments) from a path, and a base64 string."""
+    import base64
+    path = tmp_path / "ds.json"
+    path.write_text('{\n  // a comment, as DeepSpeed (hjson) allows\n  "lrmoe": {"enabled": true, "retention_ratio": 0.5}\n}\n')
+    assert parse_config(str(path)).retention_ratio == 0.5
+    encoded = base64.urlsafe_b64encode(json.dumps({"lrmoe": {"enabled": True}}).encode()).decode()
+    assert parse_config(encoded).enabled
 
 
 def test_shipped_configs_parse():
@@ -77,3 +101,26 @@ def test_readme_documents_every_key():
     readme = (ROOT / "README.md").read_text()
     table_keys = set(re.findall(r"^\| `([a-z_]+)` \|", readme, flags=re.M))
     assert table_keys == set(LRMoEConfig.model_fields), "README's key table and LRMoEConfig differ"
+
+
+@pytest.mark.parametrize("where", ["config", "config_params", "args.deepspeed_config", "args.deepscale_config"])
+def test_initialize_reads_the_block_from_where_deepspeed_does(where, monkeypatch, tmp_path):
+    """lrmoe_ds.initialize takes the "lrmoe" block from the config deepspeed.initialize will use (stubbed here)."""
+    import argparse
+
+    import lrmoe_ds
+    from lrmoe_ds import integration
+    seen = {}
+    monkeypatch.setattr(integration.deepspeed, "initialize",
+                        lambda **kw: seen.update(kw) or (argparse.Namespace(module=kw["model"], global_steps=0), None,
+                                                         None, None))
+    config = {"train_micro_batch_size_per_gpu": 1, "lrmoe": {"enabled": True, "retention_ratio": 0.5}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    model = lrmoe_ds.LRMoE(8, num_experts=2, k=1, ffn_hidden_size=4)
+    if where.startswith("args."):
+        kw = {"args": argparse.Namespace(**{where[5:]: str(path)})}
+    else:
+        kw = {where: config}
+    lrmoe_ds.initialize(model=model, model_parameters=list(model.parameters()), **kw)
+    assert model.lrmoe_config.enabled and model.lrmoe_config.retention_ratio == 0.5

@@ -75,7 +75,10 @@ def test_budget_bytes_arithmetic():
     assert MemoryPlanner(LRMoEConfig(budget_gib=10, reserve_gib=1), [], accelerator=acc).budget_bytes() == 9 * GIB
     half = MemoryPlanner(LRMoEConfig(budget_fraction=0.5, reserve_gib=2), [], accelerator=acc)
     assert half.budget_bytes() == 30 * GIB
-    assert MemoryPlanner(LRMoEConfig(budget_gib=1, reserve_gib=3), [], accelerator=acc).budget_bytes() == 0
+    with pytest.raises(ValueError, match="leaves nothing above reserve_gib"):
+        LRMoEConfig(budget_gib=1, reserve_gib=3)
+    with pytest.raises(ValueError, match="budget_fraction 0.01 of this accelerator's 64.0 GiB leaves nothing"):
+        MemoryPlanner(LRMoEConfig(budget_fraction=0.01, reserve_gib=1), [], accelerator=acc).budget_bytes()
 
 
 @pytest.mark.parametrize("policy, expected", [("auto", "stash"), ("stash", "stash"), ("recompute", "recompute")])
@@ -358,7 +361,31 @@ class NoMemoryAccelerator:
 def test_accelerator_without_memory_queries_does_not_crash():
     config = LRMoEConfig(budget_fraction=0.5, warmup_steps=1)
     planner = MemoryPlanner(config, [stub_layer(0, config)], accelerator=NoMemoryAccelerator())
-    assert planner.budget_bytes() == 0
+    with pytest.raises(ValueError, match="reports no total memory: give budget_gib instead"):
+        planner.budget_bytes()  # a fraction of nothing: said, not planned as a 1-row cap
+    config = LRMoEConfig(budget_gib=2, reserve_gib=1, warmup_steps=1)
+    planner = MemoryPlanner(config, [stub_layer(0, config)], accelerator=NoMemoryAccelerator())
     planner.on_step(0)
     planner.on_step(1)
-    assert planner.plans[-1]["layers"][0].max_rows_per_rank == 1
+    assert planner.plans[-1]["layers"][0].max_rows_per_rank > 1  # planned from the budget (peaks read as 0)
+
+
+@pytest.mark.parametrize("allocation", ["waterfill", "threshold"])
+def test_replan_over_budget_counts_the_rows_the_backward_kept(allocation):
+    """Under "threshold" the quotas are only caps: the planner reads the rows the backward kept (not every routed
+    row), so a step over budget lowers the kept rows under both allocations alike."""
+    import lrmoe_ds
+    torch.manual_seed(0)
+    layer = lrmoe_ds.LRMoE(H, num_experts=4, k=k, ffn_hidden_size=F).double()
+    config = LRMoEConfig(enabled=True, retention_ratio=0.5, quota_allocation=allocation, budget_gib=1, reserve_gib=0)
+    layer.configure(config)
+    planner = MemoryPlanner(config, [layer], accelerator=FakeAccelerator())
+    x = torch.randn(T, H, dtype=torch.float64)
+
+    def kept_rows():
+        layer(x.clone().requires_grad_(True))[0].square().sum().backward()
+        return int(layer.last_stats.retained().sum())
+
+    assert kept_rows() == T * k // 2 == int(layer.last_stats.retained_per_rank.sum())
+    planner.replan(planner.budget_bytes() + 20 * layer.last_stats.backward_bytes_per_row)
+    assert layer.memory_plan.max_rows_per_rank < T * k // 2 and kept_rows() <= layer.memory_plan.max_rows_per_rank

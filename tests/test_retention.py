@@ -70,6 +70,16 @@ def test_water_fill_in_whole_tiles(seed):
             assert extra == sorted(extra, reverse=True), (n.tolist(), budget, q.tolist())  # a prefix, hottest first
 
 
+def test_targets_are_exact_for_the_ratio_as_written():
+    """0.7 * 90 is 62.99999999999999 in floats, 0.07 * 100 is 7.000000000000001: neither loses nor gains a pair;
+    a balance factor whose product overflows bounds nothing instead of failing."""
+    assert int(plan_quotas(torch.tensor([90]), 0.7).sum()) == 63
+    assert int(plan_quotas(torch.tensor([100]), 0.58).sum()) == 58
+    assert plan_quotas(torch.tensor([100]), 0.01, floor=0.07).tolist() == [7]
+    n = torch.tensor([40, 10, 30, 20])
+    assert torch.equal(plan_quotas(n, 0.5, ep_size=2, balance_factor=1e308), plan_quotas(n, 0.5))
+
+
 def test_quota_granule_by_device(monkeypatch):
     """Whole tiles only where the GEMMs tile (CUDA); the environment overrides it there."""
     from lrmoe_ds.quotas import quota_granule
