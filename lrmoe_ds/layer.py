@@ -21,7 +21,7 @@ from lrmoe_ds.experts import EXPERT_TYPES, GroupedExperts
 from lrmoe_ds.placement import plan_with_replicas
 from lrmoe_ds.pipeline import ExpertWeights, RoutedMLP, WeightGrads, router_dots_from_rows, stash_keeps_rows
 from lrmoe_ds.quotas import (MemoryPlan, RetentionStats, expert_row_bytes, plan_quotas, quota_granule, rank_shares,
-                             target_pairs)
+                             share_weights, target_pairs)
 from lrmoe_ds.retention import BackwardSpec
 from lrmoe_ds.router import Router
 
@@ -175,6 +175,12 @@ class LRMoE(MoE):
             n = plan.all_counts.sum(0)
             placed = totals = None
             granule = quota_granule(plan.order.device)
+            # the shares' sampling: one generator state on every rank, so that all make the same shares
+            shares_gen = None
+            if R > 1:
+                key = f"{cfg.seed}/{self.layer_number}/{self._retention_step_host}/shares".encode()
+                shares_gen = torch.Generator().manual_seed(
+                    int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1)
             if cfg.quota_allocation == "threshold":
                 # per-expert caps from the budget alone; each rank keeps `ratio` of its own pairs over all experts
                 quotas = plan_quotas(n, 1.0, R, 0.0, cfg.balance_factor, max_rows, granule=granule)
@@ -182,7 +188,7 @@ class LRMoE(MoE):
             elif replicas:
                 quotas, shares, placed = plan_with_replicas(n, plan.all_counts, cfg.replica_slots, ratio, cfg.floor,
                                                             cfg.balance_factor, max_rows, cfg.quota_allocation,
-                                                            cfg.replica_min_rows)
+                                                            cfg.replica_min_rows, shares_gen)
             else:
                 quotas = plan_quotas(n, ratio, R, cfg.floor, cfg.balance_factor, max_rows, cfg.quota_allocation,
                                      granule)
@@ -191,11 +197,13 @@ class LRMoE(MoE):
                                              replica_rows=0 if placed is None else placed.replica_rows(), **row_bytes)
             if placed is not None:
                 spec.shares, spec.replicas = shares, placed
+                spec.share_weights = share_weights(quotas, plan.all_counts, shares)
             elif totals is not None and (ratio < 1.0 or not torch.equal(quotas, n)):
                 spec.shares, spec.totals = rank_shares(quotas, plan.all_counts), totals
                 spec.on_kept = self.last_stats.set_kept
             elif totals is None and not torch.equal(quotas, n):
-                spec.shares = rank_shares(quotas, plan.all_counts)
+                spec.shares = rank_shares(quotas, plan.all_counts, shares_gen)
+                spec.share_weights = share_weights(quotas, plan.all_counts, spec.shares)
 
         if may_drop:
             return spec, plan_backward

@@ -186,6 +186,9 @@ class RoutedMLP(torch.autograd.Function):
             total = None if spec.totals is None else spec.totals[rank]
             kept, scale, kept_sizes = select_retained(metric, sizes, quotas, spec.selection, spec.seed,
                                                       num_kept=int(shares[rank].sum()), total=total)
+            if spec.share_weights is not None and spec.rescale:  # a share of 1 sampled with probability f: 1 / f
+                factor = to_device(spec.share_weights[rank], dout.device)
+                scale = scale * torch.repeat_interleave(factor, kept_sizes, output_size=kept.numel())
             if total is not None:  # the counts were chosen here: the exchange sizes follow from them
                 splits, kept_counts = disp.compact_kept(kept_sizes)
                 if spec.on_kept is not None:

@@ -18,7 +18,7 @@ summed into the home expert's before DeepSpeed reduces it (the weights cannot ch
 """
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -221,14 +221,14 @@ def route_counts(shares: torch.Tensor, replica_expert: torch.Tensor, capacity: t
 
 def plan_with_replicas(counts: torch.Tensor, all_counts: torch.Tensor, slots: int, retention_ratio: float = 1.0,
                        floor: float = 0.0, balance_factor: float = float("inf"), max_rows_per_rank=None,
-                       allocation: str = "waterfill", min_rows: int = 1):
+                       allocation: str = "waterfill", min_rows: int = 1, generator: Optional[torch.Generator] = None):
     """Quotas, shares and placement together: (quotas [E], shares [R, E], ReplicaPlan or None).
 
     The target (``plan_quotas`` without its per-rank cuts) is placed first, so that replicas take over the
     rows that a rank over its cap would otherwise drop; a rank still over the cap (``max_rows_per_rank``, or
     ``balance_factor`` times the mean where anything is dropped) then has its instances cut by
     ``allocation``'s rule, and the floor is given back at the home instance. Where no replica helps, this is
-    ``plan_quotas`` and ``rank_shares`` unchanged, and the plan is None.
+    ``plan_quotas`` and ``rank_shares`` unchanged, and the plan is None. ``generator``: rank_shares' sampling.
     """
     R = all_counts.shape[0]
     n = counts.detach().long().cpu()
@@ -236,10 +236,11 @@ def plan_with_replicas(counts: torch.Tensor, all_counts: torch.Tensor, slots: in
     replica_expert, capacity = place_replicas(target, R, slots, min_rows)
     if bool((replica_expert < 0).all()):
         quotas = plan_quotas(n, retention_ratio, R, floor, balance_factor, max_rows_per_rank, allocation)
-        return quotas, rank_shares(quotas, all_counts), None
+        return quotas, rank_shares(quotas, all_counts, generator), None
     cap = float("inf") if max_rows_per_rank is None else max_rows_per_rank
-    if not torch.equal(target, n) and math.isfinite(balance_factor):
-        cap = min(cap, math.floor(balance_factor * float(target.sum()) / R))
+    bound = balance_factor * float(target.sum()) / R  # (a finite factor can still overflow: no bound then)
+    if not torch.equal(target, n) and math.isfinite(bound):
+        cap = min(cap, math.floor(bound))
     cut = ALLOCATIONS[allocation]
     for d, rows in enumerate(capacity.sum(1).tolist()):
         if rows > cap:
@@ -252,5 +253,5 @@ def plan_with_replicas(counts: torch.Tensor, all_counts: torch.Tensor, slots: in
         deficit = (torch.minimum(n, floor_pairs(floor, n)) - quotas).clamp_min(0)
         capacity[:, :El] += deficit.view(R, El)
         quotas += deficit
-    shares = rank_shares(quotas, all_counts)
+    shares = rank_shares(quotas, all_counts, generator)
     return quotas, shares, ReplicaPlan(replica_expert, route_counts(shares, replica_expert, capacity))

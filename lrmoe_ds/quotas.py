@@ -142,12 +142,18 @@ def plan_quotas(counts: torch.Tensor, retention_ratio: float = 1.0, ep_size: int
     return q.view_as(n)
 
 
-def rank_shares(quotas: torch.Tensor, all_counts: torch.Tensor) -> torch.Tensor:
+def rank_shares(quotas: torch.Tensor, all_counts: torch.Tensor,
+                generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Each source rank's share of every expert's quota, in proportion to its pairs of that expert.
 
     quotas [E], all_counts [R, E] (pairs from rank r to expert e) -> shares [R, E] with
-    sum_r shares[r, e] = Q_e and shares <= all_counts: floor(Q_e c_re / n_e), the remainder given
-    one each to the ranks of largest fractional part (ties: lower rank). Host-side, deterministic.
+    sum_r shares[r, e] = Q_e and shares <= all_counts: floor(Q_e c_re / n_e) plus one for some ranks, as many
+    as the fractional parts add up to. Host-side. Without ``generator``: to the ranks of largest fractional part
+    (ties: lower rank). With it (the same generator state on every rank): by systematic sampling, one offset per
+    expert, so that rank r gets its extra pair with probability exactly its fractional part f_re. A rank whose
+    whole part is 0 then still has its pairs in the backward in expectation: :func:`share_weights` gives the
+    1 / f_re its kept pair is weighted by, keeping the gradient unbiased (the fixed order would leave the same
+    small groups out step after step).
     """
     c = all_counts.detach().long().cpu()
     q = torch.minimum(quotas.detach().long().cpu(), c.sum(0))
@@ -156,12 +162,37 @@ def rank_shares(quotas: torch.Tensor, all_counts: torch.Tensor) -> torch.Tensor:
     n = c.sum(0).clamp_min(1)
     scaled = q.unsqueeze(0) * c                                  # [R, E]
     base, frac = scaled // n, scaled % n
+    if generator is not None:
+        # integer points k n + U (U uniform in [0, n_e)) falling in rank r's stretch [A_{r-1}, A_r) of the fractions
+        offset = (torch.rand(n.shape, generator=generator, dtype=torch.float64) * n).long().clamp_max(n - 1)
+        ends = frac.cumsum(0)
+        return base + _ceil_div(ends - offset, n) - _ceil_div(ends - frac - offset, n)
     remainder = q - base.sum(0)                                  # [E], < number of ranks with frac > 0
     R = c.shape[0]
     # order ranks by fractional part, descending, ties by rank: a stable sort of -frac
     order = torch.sort(-frac, dim=0, stable=True).indices        # [R, E]
     bonus = (torch.arange(R).unsqueeze(1) < remainder.unsqueeze(0)).long()
     return base + torch.zeros_like(base).scatter_(0, order, bonus)
+
+
+def _ceil_div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return -torch.div(-a, b, rounding_mode="floor")
+
+
+def share_weights(quotas: torch.Tensor, all_counts: torch.Tensor, shares: torch.Tensor) -> Optional[torch.Tensor]:
+    """[R, E] fp32: 1 / f_re for a (rank, expert) whose share's whole part is 0 and whose sampled share is 1
+    (:func:`rank_shares` with a generator: it got that pair with probability f_re), 1 elsewhere; None where no
+    group is such (then every kept pair's own weight is already unbiased)."""
+    c = all_counts.detach().long().cpu()
+    if c.shape[0] == 1:
+        return None
+    q = torch.minimum(quotas.detach().long().cpu(), c.sum(0))
+    n = c.sum(0).clamp_min(1)
+    scaled = q.unsqueeze(0) * c
+    lucky = (scaled < n) & (shares.cpu() > 0)
+    if not bool(lucky.any()):
+        return None
+    return torch.where(lucky, n.double() / scaled.clamp_min(1).double(), torch.ones((), dtype=torch.float64)).float()
 
 
 class RetentionStats:

@@ -34,6 +34,8 @@ class BackwardSpec:
     totals: per source rank, the pairs to keep over all experts ("threshold" allocation; ``shares`` are
         then per-expert caps), or None.  on_kept: called with the kept pairs per expert over the
         expert-parallel group [E] where the backward chose them (``totals``).
+    share_weights [R, E] or None: the factor each kept pair's weight takes for its (rank, expert) share having been
+        sampled (quotas.share_weights); None: 1 for all.
     """
     policy: str = "stash"
     router_grad: str = "exact"
@@ -48,6 +50,7 @@ class BackwardSpec:
     totals: Optional[List[int]] = None
     on_kept: Optional[Callable[[torch.Tensor], None]] = None
     dropped_router_dots: str = "saved"
+    share_weights: Optional[torch.Tensor] = None
 
 
 def pair_metric(metric: Metric, gate: torch.Tensor, dout_norm: Optional[torch.Tensor],
