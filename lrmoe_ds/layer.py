@@ -21,7 +21,7 @@ from lrmoe_ds.experts import EXPERT_TYPES, GroupedExperts
 from lrmoe_ds.placement import plan_with_replicas
 from lrmoe_ds.pipeline import ExpertWeights, RoutedMLP, WeightGrads, router_dots_from_rows, stash_keeps_rows
 from lrmoe_ds.quotas import (MemoryPlan, RetentionStats, expert_row_bytes, plan_quotas, quota_granule, rank_shares,
-                             share_weights, target_pairs)
+                             quota_weights, share_weights, target_pairs)
 from lrmoe_ds.retention import BackwardSpec
 from lrmoe_ds.router import Router
 
@@ -175,9 +175,10 @@ class LRMoE(MoE):
             n = plan.all_counts.sum(0)
             placed = totals = None
             granule = quota_granule(plan.order.device)
-            # the shares' sampling: one generator state on every rank, so that all make the same shares
+            # the rounding's sampling (proportional quotas, shares): one generator state on every rank, so that all
+            # make the same quotas and shares
             shares_gen = None
-            if R > 1:
+            if R > 1 or cfg.quota_allocation == "proportional":
                 key = f"{cfg.seed}/{self.layer_number}/{self._retention_step_host}/shares".encode()
                 shares_gen = torch.Generator().manual_seed(
                     int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1)
@@ -191,7 +192,7 @@ class LRMoE(MoE):
                                                             cfg.replica_min_rows, shares_gen)
             else:
                 quotas = plan_quotas(n, ratio, R, cfg.floor, cfg.balance_factor, max_rows, cfg.quota_allocation,
-                                     granule)
+                                     granule, shares_gen)
             retained = quotas.view(R, -1).sum(1) if placed is None else placed.retained_per_rank()
             self.last_stats = RetentionStats(n, quotas, n.view(R, -1).sum(1), retained, policy,
                                              replica_rows=0 if placed is None else placed.replica_rows(), **row_bytes)
@@ -203,7 +204,11 @@ class LRMoE(MoE):
                 spec.on_kept = self.last_stats.set_kept
             elif totals is None and not torch.equal(quotas, n):
                 spec.shares = rank_shares(quotas, plan.all_counts, shares_gen)
-                spec.share_weights = share_weights(quotas, plan.all_counts, spec.shares)
+                by_share = share_weights(quotas, plan.all_counts, spec.shares)
+                by_quota = quota_weights(n, quotas, ratio, cfg.floor) if cfg.quota_allocation == "proportional" else None
+                if by_quota is not None:
+                    by_share = by_quota.expand(R, -1) if by_share is None else by_share * by_quota
+                spec.share_weights = by_share
 
         if may_drop:
             return spec, plan_backward

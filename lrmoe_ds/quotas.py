@@ -76,18 +76,44 @@ def floor_pairs(fraction: float, n: torch.Tensor) -> torch.Tensor:
     return torch.tensor([(num * v + den - 1) // den for v in n.tolist()], dtype=torch.long)
 
 
-def _scale(n: torch.Tensor, budget: int) -> torch.Tensor:
-    """floor(n_e budget / sum n) plus one for the largest remainders (ties: lower index), summing to
-    ``budget`` (every expert keeps the same fraction, to the pair); n itself if it is within budget."""
+def _scale(n: torch.Tensor, budget: int, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """floor(n_e budget / sum n) plus one for as many experts as the remainders add up to, summing to ``budget``
+    (every expert keeps the same fraction, to the pair); n itself if it is within budget. The extra ones go to the
+    largest remainders (ties: lower index), or with ``generator`` by systematic sampling, each expert with
+    probability exactly its fractional part (see rank_shares; :func:`quota_weights` then weights the pairs of an
+    expert sampled up from 0)."""
     vals = n.tolist()
     total = sum(vals)
     if total <= budget:
         return n.clone()
     q = [v * budget // total for v in vals]
+    if generator is not None:
+        offset = min(total - 1, int(float(torch.rand((), generator=generator, dtype=torch.float64)) * total))
+        end = 0
+        for i, v in enumerate(vals):
+            start, end = end, end + v * budget % total
+            q[i] += -((offset - end) // total) + ((offset - start) // total)  # points k total + offset in [start, end)
+        return torch.tensor(q, dtype=n.dtype)
     rest = sorted(range(len(vals)), key=lambda i: (-(vals[i] * budget % total), i))[:budget - sum(q)]
     for i in rest:
         q[i] += 1
     return torch.tensor(q, dtype=n.dtype)
+
+
+def quota_weights(counts: torch.Tensor, quotas: torch.Tensor, retention_ratio: float,
+                  floor: float = 0.0) -> Optional[torch.Tensor]:
+    """[E] fp32: for the "proportional" allocation sampled with a generator, 1 / f_e for an expert whose quota's
+    whole part is 0 and whose sampled quota is 1 (it got it with probability f_e = n_e ratio; not where the floor
+    gives it a pair anyway), 1 elsewhere; None where no expert is such."""
+    n = counts.detach().long().cpu()
+    total, budget = int(n.sum()), target_pairs(retention_ratio, int(n.sum()))
+    if total <= budget:
+        return None
+    scaled = n * budget
+    lucky = (scaled < total) & (quotas.cpu() > 0) & (floor_pairs(floor, n) == 0)
+    if not bool(lucky.any()):
+        return None
+    return torch.where(lucky, total / scaled.clamp_min(1).double(), torch.ones((), dtype=torch.float64)).float()
 
 
 ALLOCATIONS = {"waterfill": _level, "proportional": _scale}
@@ -102,7 +128,8 @@ def quota_granule(device: torch.device) -> int:
 
 def plan_quotas(counts: torch.Tensor, retention_ratio: float = 1.0, ep_size: int = 1, floor: float = 0.0,
                 balance_factor: float = float("inf"), max_rows_per_rank: Optional[int] = None,
-                allocation: Literal["waterfill", "proportional"] = "waterfill", granule: int = 1) -> torch.Tensor:
+                allocation: Literal["waterfill", "proportional"] = "waterfill", granule: int = 1,
+                generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Q_e, the pairs of each expert whose backward runs.
 
     counts [E] int (n_e over the expert-parallel group; expert e lives on rank e // (E / ep_size)).
@@ -113,7 +140,9 @@ def plan_quotas(counts: torch.Tensor, retention_ratio: float = 1.0, ep_size: int
        balance_factor times the mean over ranks, its own experts' quotas are cut the same way;
     3. floor: Q_e >= ceil(floor * n_e), whatever the caps.
     Ratio 1 with no budget gives Q = n (exact). granule: the water-fill's capped quotas in whole GEMM tiles
-    (:func:`_level`; the layer passes :func:`quota_granule`); "proportional" ignores it.
+    (:func:`_level`; the layer passes :func:`quota_granule`); "proportional" ignores it. generator: "proportional"'s
+    target rounded by sampling (:func:`_scale`, :func:`quota_weights`); its per-rank cuts under a memory cap stay in
+    the fixed order (a hard limit, where an expert rounded down to 0 stays out).
     """
     if allocation not in ALLOCATIONS:
         raise ValueError(f"unknown quota allocation {allocation!r}; accepted: {', '.join(ALLOCATIONS)}")
@@ -125,7 +154,8 @@ def plan_quotas(counts: torch.Tensor, retention_ratio: float = 1.0, ep_size: int
     n = counts.detach().long().cpu()
     if n.numel() % ep_size:
         raise ValueError(f"{n.numel()} experts cannot be split over ep_size {ep_size}")
-    q = cut(n, target_pairs(retention_ratio, int(n.sum())))
+    target = functools.partial(_scale, generator=generator) if allocation == "proportional" and generator else cut
+    q = target(n, target_pairs(retention_ratio, int(n.sum())))
     per_rank = q.view(ep_size, -1)
     caps = [float("inf")] * ep_size
     if max_rows_per_rank is not None:

@@ -182,6 +182,30 @@ def test_sampled_shares_keep_small_groups_unbiased(sampled):
     assert (err < 0.06) == sampled, (mean.tolist(), truth.tolist())
 
 
+@pytest.mark.parametrize("sampled", [True, False])
+def test_sampled_proportional_quotas_keep_small_experts_unbiased(sampled):
+    """The "proportional" allocation's rounding, as the shares' (above): an expert with one pair at ratio 0.5 keeps
+    it half of the time, weighted 2; in the fixed order the same experts keep none at every step."""
+    from lrmoe_ds.quotas import quota_weights
+    n = torch.tensor([1, 1, 1, 1, 7, 0, 3])
+    gen = torch.Generator().manual_seed(0)
+    vals = torch.rand(int(n.sum()), generator=gen) + 0.5
+    group = torch.repeat_interleave(torch.arange(n.numel()), n)
+    truth = torch.zeros(n.numel(), dtype=torch.float64).index_add_(0, group, vals.double())
+    draws, mean = 2000, torch.zeros(n.numel(), dtype=torch.float64)
+    for step in range(draws):
+        q = plan_quotas(n, 0.5, allocation="proportional", generator=gen if sampled else None)
+        assert int(q.sum()) == 7 and torch.all(q <= n)
+        kept, scale, _ = select_retained(vals, n, q, seed=step)
+        weights = quota_weights(n, q, 0.5) if sampled else None
+        if weights is not None:
+            scale = scale * weights[group[kept]]
+        mean.index_add_(0, group[kept], (scale * vals[kept]).double() / draws)
+    err = ((mean - truth).abs() / truth.clamp_min(1e-9))[n > 0].max()
+    assert (err < 0.1) == sampled, (mean.tolist(), truth.tolist())
+    assert quota_weights(n, torch.tensor([1, 0, 1, 0, 3, 0, 2]), 0.5, floor=0.5) is None  # the floor's pairs are sure
+
+
 def test_priority_sampling_keeps_quota_and_is_deterministic():
     metric = torch.rand(12, generator=torch.Generator().manual_seed(0))
     sizes, quotas = torch.tensor([5, 0, 7]), torch.tensor([2, 3, 7])
