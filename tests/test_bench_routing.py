@@ -26,3 +26,31 @@ def test_zipf_comes_hottest_first_and_shuffled_does_not():
 def test_unknown_routing_is_an_error():
     with pytest.raises(ValueError, match="routing must be uniform, zipf or zipf_shuffled"):
         sizes("skewed")
+
+
+def test_layer_bench_skew_and_row_variants():
+    """bench_layer.py --skew: every router gets the same per-expert logit offsets through input feature 0 (the
+    hottest expert far above the mean, at a shuffled index); --quota_granules: each LRMoE row once per granule,
+    its environment set for that row only."""
+    import bench_layer
+    import lrmoe_ds
+    layers = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        layers.append(bench_layer.build("lrmoe", 32, 8, 16, 2))
+    torch.manual_seed(1)
+    x = torch.randn(4096, 32)
+    offsets = bench_layer.skew_routing(layers, x, 0.5)
+    assert torch.all(x[:, 0] == 1.0) and int(offsets.argmax()) != 0
+    for layer in layers:
+        assert torch.equal(layer.deepspeed_moe.gate.wg.weight[:, 0], offsets.float())
+    counts = torch.bincount(layers[0].deepspeed_moe.gate.wg(x).topk(2, -1).indices.flatten(), minlength=16).float()
+    assert int(counts.argmax()) == int(offsets.argmax()) and counts.max() > 2 * counts.mean()
+    args = bench_layer.parse_args(["--ratios", "0.5", "--policies", "stash", "--quota_granules", "64", "1"])
+    rows = bench_layer.row_specs(args)
+    names = [name for name, *_ in rows]
+    assert "LRMoE retention 0.5, stash, granule 64" in names and "LRMoE retention 0.5, stash, granule 1" in names
+    envs = {name: env for name, _, _, env in rows}
+    assert envs["LRMoE retention 0.5, stash, granule 1"]["LRMOE_QUOTA_GRANULE"] == "1"
+    assert envs[bench_layer.ANCHOR] is None
+    assert isinstance(layers[0], lrmoe_ds.LRMoE)
