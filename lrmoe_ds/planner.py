@@ -90,6 +90,7 @@ class MemoryPlanner:
         self.last_step: int | None = None
         self.plans: list[dict] = []
         self._broken_queries = set()
+        self._smallest_total: int | None = None  # the accelerator memory of the smallest rank (budget_fraction)
         self._install([(layer, self._unbounded_plan()) for layer in self.layers], "warm-up (unbounded)", {})
 
     def _memory(self, name: str) -> int:
@@ -111,12 +112,15 @@ class MemoryPlanner:
         return [int(v) for v in t.tolist()]
 
     def budget_bytes(self) -> int | None:
-        """Bytes per rank the training may use (budget less reserve); None: unbounded."""
+        """Bytes per rank the training may use (budget less reserve); None: unbounded. budget_fraction is of the
+        smallest rank's accelerator (read once), so that unlike devices still make one plan."""
         c = self.config
         if c.budget_gib is not None:
             total = c.budget_gib * GIB
         elif c.budget_fraction is not None:
-            total = c.budget_fraction * self._memory("total_memory")
+            if self._smallest_total is None:  # every rank must plan from the same budget (their quotas must agree)
+                self._smallest_total = -self._max_over_ranks(-self._memory("total_memory"))[0]
+            total = c.budget_fraction * self._smallest_total
         else:
             return None
         if total <= c.reserve_gib * GIB:  # (budget_gib: the config refuses it) a budget of nothing caps every layer

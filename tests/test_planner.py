@@ -389,3 +389,14 @@ def test_replan_over_budget_counts_the_rows_the_backward_kept(allocation):
     assert kept_rows() == T * k // 2 == int(layer.last_stats.retained_per_rank.sum())
     planner.replan(planner.budget_bytes() + 20 * layer.last_stats.backward_bytes_per_row)
     assert layer.memory_plan.max_rows_per_rank < T * k // 2 and kept_rows() <= layer.memory_plan.max_rows_per_rank
+
+
+def test_budget_fraction_is_of_the_smallest_ranks_accelerator():
+    """Unlike devices must still make one plan: budget_fraction takes the smallest total over the ranks (here a
+    stand-in for the cross-rank max, another rank having 32 GiB), read once."""
+    acc = FakeAccelerator(total=64 * GIB)
+    planner = MemoryPlanner(LRMoEConfig(budget_fraction=0.5, reserve_gib=2), [], accelerator=acc)
+    planner._max_over_ranks = lambda *values: [max(v, -32 * GIB) for v in values]
+    assert planner.budget_bytes() == 14 * GIB
+    acc.total = 8 * GIB  # read once: later calls plan from the same budget
+    assert planner.budget_bytes() == 14 * GIB
