@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 from lrmoe_ds.layer import LRMoE
-from lrmoe_ds.planner import register_step_hook
 
 
 class ExpertBiasBalancer:
@@ -32,7 +31,6 @@ class ExpertBiasBalancer:
         self.rate = rate
         self.counts = [None] * len(self.layers)
         self.hooks = [layer.register_forward_hook(self._counter(i)) for i, layer in enumerate(self.layers)]
-        self._counting = False  # an update needs a step counted before it
 
     def _counter(self, i: int):
         def count(module, inputs, outputs):
@@ -58,14 +56,26 @@ class ExpertBiasBalancer:
             bias.add_(step.to(bias.dtype), alpha=self.rate)
 
     def attach(self, engine) -> None:
-        """Update before the first training forward of each new optimizer step of a DeepSpeed engine."""
-        def on_step(step):
-            if self._counting:
+        """Update right after each optimizer step of a DeepSpeed engine (its ``step()`` at a gradient-accumulation
+        boundary, seen as ``global_steps`` advancing), so that a checkpoint saved after the step holds the updated
+        bias and nothing is left pending: a resumed run moves its biases as an uninterrupted one does."""
+        step = engine.step
+
+        def step_then_update(*args, **kwargs):
+            before = engine.global_steps
+            out = step(*args, **kwargs)
+            if engine.global_steps != before:
                 self.update()
-            self._counting = True
-        self.hooks.append(register_step_hook(engine, on_step))
+            return out
+
+        engine.step = step_then_update
+        self._engine = engine
 
     def remove(self) -> None:
         for hook in self.hooks:
             hook.remove()
         self.hooks = []
+        engine = getattr(self, "_engine", None)
+        if engine is not None and "step" in vars(engine):
+            del engine.step  # the class's own step again
+        self._engine = None

@@ -198,12 +198,12 @@ class LRMoE(MoE):
                                              replica_rows=0 if placed is None else placed.replica_rows(), **row_bytes)
             if placed is not None:
                 spec.shares, spec.replicas = shares, placed
-                spec.share_weights = share_weights(quotas, plan.all_counts, shares)
             elif totals is not None and (ratio < 1.0 or not torch.equal(quotas, n)):
                 spec.shares, spec.totals = rank_shares(quotas, plan.all_counts), totals
                 spec.on_kept = self.last_stats.set_kept
             elif totals is None and not torch.equal(quotas, n):
                 spec.shares = rank_shares(quotas, plan.all_counts, shares_gen)
+            if spec.shares is not None and totals is None:  # what the sampled rounding of quotas and shares left
                 by_share = share_weights(quotas, plan.all_counts, spec.shares)
                 by_quota = quota_weights(n, quotas, ratio, cfg.floor) if cfg.quota_allocation == "proportional" else None
                 if by_quota is not None:

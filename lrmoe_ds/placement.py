@@ -232,10 +232,14 @@ def plan_with_replicas(counts: torch.Tensor, all_counts: torch.Tensor, slots: in
     """
     R = all_counts.shape[0]
     n = counts.detach().long().cpu()
-    target = plan_quotas(n, retention_ratio, R, floor, allocation=allocation)
+    start = None if generator is None else generator.get_state()  # the target draws as plan_quotas would alone
+    target = plan_quotas(n, retention_ratio, R, floor, allocation=allocation, generator=generator)
     replica_expert, capacity = place_replicas(target, R, slots, min_rows)
     if bool((replica_expert < 0).all()):
-        quotas = plan_quotas(n, retention_ratio, R, floor, balance_factor, max_rows_per_rank, allocation)
+        if generator is not None:
+            generator.set_state(start)
+        quotas = plan_quotas(n, retention_ratio, R, floor, balance_factor, max_rows_per_rank, allocation,
+                             generator=generator)
         return quotas, rank_shares(quotas, all_counts, generator), None
     cap = float("inf") if max_rows_per_rank is None else max_rows_per_rank
     bound = balance_factor * float(target.sum()) / R  # (a finite factor can still overflow: no bound then)

@@ -328,7 +328,7 @@ def run_checkpoint(args):
 
 
 def run_balance(args):
-    """expert_bias_update_rate through lrmoe_ds.initialize, ep_size 2, ZeRO 2, gradient accumulation 2: after
+    """expert_bias_update_rate through lrmoe_ds.initialize, ep_size 2, ZeRO 2, gradient accumulation 2: right after
     each optimizer step every rank's bias moved by rate * sign(mean - n_e), n_e summed over both ranks and both
     micro-batches of the step."""
     rate = 0.05
@@ -346,11 +346,10 @@ def run_balance(args):
         for micro in range(2):
             engine.backward(F.mse_loss(engine(my_slice(x) + micro), my_slice(y)))
             engine.step()
-        if step:  # the update for step s - 1 ran before the first forward of step s
-            worst = max(worst, float((bias - expected).abs().max()))
         n = torch.stack(counted[-2:]).sum(0).float()
         dist.all_reduce(n)
         expected = expected + rate * torch.sign(n.mean() - n)
+        worst = max(worst, float((bias - expected).abs().max()))  # the update ran right after the step
     biases = [torch.zeros(E) for _ in range(dist.get_world_size())]
     dist.all_gather(biases, bias.detach().clone())
     return {"bias_max_diff": worst, "ranks_agree": all(torch.equal(b, biases[0]) for b in biases),

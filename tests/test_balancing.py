@@ -86,17 +86,52 @@ def test_refuses_a_model_without_a_bias_to_update():
         LRMoEConfig(expert_bias_update_rate=-1.0)
 
 
-def test_attach_updates_once_per_optimizer_step_before_its_first_forward():
+class FakeEngine:
+    """DeepSpeed's engine as the balancer sees it: step() advances global_steps at each accumulation boundary."""
+
+    def __init__(self, module, accumulation=2):
+        self.module, self.global_steps, self.micro, self.accumulation = module, 0, 0, accumulation
+
+    def step(self):
+        self.micro += 1
+        if self.micro % self.accumulation == 0:
+            self.global_steps += 1
+
+
+def train(moe, engine, steps, start=0):
+    for step in range(start, start + steps):
+        for micro in range(engine.accumulation):
+            moe(tokens(10 * step + micro))
+            engine.step()
+
+
+def test_attach_updates_once_per_optimizer_step_right_after_it():
     moe = layer()
     balancer = ExpertBiasBalancer([moe], rate=0.01)
-    engine = SimpleNamespace(module=moe, global_steps=0)
+    engine = FakeEngine(moe)
     balancer.attach(engine)
     updates = []
     balancer.update = lambda: updates.append(engine.global_steps)
-    for step in range(3):
-        engine.global_steps = step
-        for micro in range(2):
-            moe(tokens(10 * step + micro))
-    assert updates == [1, 2]  # at the first forward of steps 1 and 2, for the step before
+    train(moe, engine, 3)
+    assert updates == [1, 2, 3]  # after the boundary step() of each optimizer step, none pending
     balancer.remove()
-    assert not moe._forward_hooks and not moe._forward_pre_hooks
+    assert not moe._forward_hooks and "step" not in vars(engine)
+
+
+def test_a_resumed_run_moves_the_bias_as_an_uninterrupted_one():
+    """A checkpoint taken after step 2 holds the bias with step 2's update: resumed from it, steps 3-4 end where
+    an uninterrupted run of 4 steps does (an update pending at the next forward would be lost with the process)."""
+    moe = layer()
+    ExpertBiasBalancer([moe], rate=0.01).attach(engine := FakeEngine(moe))
+    train(moe, engine, 4)
+    first = layer()
+    ExpertBiasBalancer([first], rate=0.01).attach(engine := FakeEngine(first))
+    train(first, engine, 2)
+    saved = {k: v.clone() for k, v in first.state_dict().items()}  # the checkpoint after step 2
+    resumed = layer()
+    resumed.load_state_dict(saved)
+    ExpertBiasBalancer([resumed], rate=0.01).attach(engine := FakeEngine(resumed))
+    engine.global_steps = 2  # as DeepSpeed restores it
+    train(resumed, engine, 2, start=2)
+    bias = moe.deepspeed_moe.gate.score_bias
+    assert bias.abs().max() > 0 and torch.equal(resumed.deepspeed_moe.gate.score_bias, bias)
