@@ -57,16 +57,26 @@ def _level(n: torch.Tensor, budget: int, granule: int = 1) -> torch.Tensor:
     base = cap // granule * granule
     q = [v if v <= cap else base for v in vals]
     left = budget - sum(q)
-    for e in sorted((e for e, v in enumerate(vals) if v > cap), key=lambda e: (-vals[e], e)):
-        add = min(granule, vals[e] - base)
-        if add <= left:
-            q[e] += add
-            left -= add
+    hot = sorted([e for e in range(E) if vals[e] > cap], key=vals.__getitem__, reverse=True)  # stable: ties by index
+    # hottest first, each a whole tile while one is left; those with fewer than a tile above base (the coldest of
+    # the capped, last in this order) take what they have where it still fits
+    full = next((i for i, e in enumerate(hot) if vals[e] < base + granule), len(hot))
+    tiles = min(full, left // granule)
+    for e in hot[:tiles]:
+        q[e] += granule
+    left -= tiles * granule
+    for e in hot[full:]:
+        if vals[e] - base <= left:
+            left -= vals[e] - base
+            q[e] = vals[e]
     return torch.tensor(q, dtype=n.dtype)
 
 
 def target_pairs(ratio: float, pairs: int) -> int:
     """floor(ratio * pairs) for the ratio as written (0.7 of 90 is 63, where 0.7 * 90 is 62.99999999999999 in floats)."""
+    x = ratio * pairs
+    if math.ceil(x) - x > 1e-9 * max(1.0, x):  # clear of an integer: the float product decides (per forward: fast)
+        return math.floor(x)
     return math.floor(Fraction(repr(float(ratio))) * pairs)
 
 
