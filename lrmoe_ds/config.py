@@ -77,8 +77,8 @@ class LRMoEConfig(DeepSpeedConfigModel):
     the target and the budget."""
 
     balance_factor: float = Field(1.25, ge=1.0, strict=True, allow_inf_nan=False)
-    """When pairs are dropped, no expert-parallel rank retains more than this times the mean
-    retained rows per rank: its hottest experts are capped further."""
+    """When pairs are dropped, no expert-parallel rank retains more than this times the target's mean
+    retained rows per rank (the mean before this cut): its hottest experts are capped further."""
 
     replica_slots: int = Field(0, ge=0, strict=True)
     """Spare expert slots per expert-parallel rank for replicas of the hottest experts in the backward
