@@ -503,12 +503,15 @@ def test_topk_selection_keeps_the_largest_metric():
         assert set(top.tolist()) == kept & set(mine.tolist()), e
 
 
-@pytest.mark.parametrize("allocation", ["waterfill", "threshold"])
-def test_ratio_half_is_unbiased_and_router_stays_exact(allocation):
+@pytest.mark.parametrize("allocation,ratio,n", [("waterfill", 0.5, 100), ("threshold", 0.5, 100),
+                                                 ("proportional", 0.025, 400)])
+def test_ratio_half_is_unbiased_and_router_stays_exact(allocation, ratio, n):
+    """(proportional at 0.025, 3 of 128 pairs: every expert's quota has a whole part of 0, so which experts keep a pair is sampled,
+    weighted through the layer's backward by quota_weights)"""
     layer, x = make_layer()
     dx_exact, grads_exact = layer_grads(layer, x)
-    configure(layer, retention_ratio=0.5, quota_allocation=allocation)
-    n, mean, errs = 100, [torch.zeros_like(g) for g in grads_exact], []
+    configure(layer, retention_ratio=ratio, quota_allocation=allocation)
+    mean, errs = [torch.zeros_like(g) for g in grads_exact], []
     for step in range(n):
         _, grads = layer_grads(layer, x, step)
         mean = [m + g / n for m, g in zip(mean, grads)]
