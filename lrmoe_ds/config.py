@@ -7,7 +7,7 @@ Example::
 
 No block, or ``"enabled": false``: every LRMoE layer is an exact dropless MoE.
 """
-from typing import Any, Dict, List, Literal, Mapping, Optional, Tuple, Union
+from typing import Any, List, Literal, Mapping, Optional, Tuple, Union
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config

@@ -177,10 +177,10 @@ class LRMoE(MoE):
             granule = quota_granule(plan.order.device)
             # the rounding's sampling (proportional quotas, shares): one generator state on every rank, so that all
             # make the same quotas and shares
-            shares_gen = None
+            rounding_gen = None
             if R > 1 or cfg.quota_allocation == "proportional":
                 key = f"{cfg.seed}/{self.layer_number}/{self._retention_step_host}/shares".encode()
-                shares_gen = torch.Generator().manual_seed(
+                rounding_gen = torch.Generator().manual_seed(
                     int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1)
             if cfg.quota_allocation == "threshold":
                 # per-expert caps from the budget alone; each rank keeps `ratio` of its own pairs over all experts
@@ -189,10 +189,10 @@ class LRMoE(MoE):
             elif replicas:
                 quotas, shares, placed = plan_with_replicas(n, plan.all_counts, cfg.replica_slots, ratio, cfg.floor,
                                                             cfg.balance_factor, max_rows, cfg.quota_allocation,
-                                                            cfg.replica_min_rows, shares_gen)
+                                                            cfg.replica_min_rows, rounding_gen)
             else:
                 quotas = plan_quotas(n, ratio, R, cfg.floor, cfg.balance_factor, max_rows, cfg.quota_allocation,
-                                     granule, shares_gen)
+                                     granule, rounding_gen)
             retained = quotas.view(R, -1).sum(1) if placed is None else placed.retained_per_rank()
             self.last_stats = RetentionStats(n, quotas, n.view(R, -1).sum(1), retained, policy,
                                              replica_rows=0 if placed is None else placed.replica_rows(), **row_bytes)
@@ -202,7 +202,7 @@ class LRMoE(MoE):
                 spec.shares, spec.totals = rank_shares(quotas, plan.all_counts), totals
                 spec.on_kept = self.last_stats.set_kept
             elif totals is None and not torch.equal(quotas, n):
-                spec.shares = rank_shares(quotas, plan.all_counts, shares_gen)
+                spec.shares = rank_shares(quotas, plan.all_counts, rounding_gen)
             if spec.shares is not None and totals is None:  # what the sampled rounding of quotas and shares left
                 by_share = share_weights(quotas, plan.all_counts, spec.shares)
                 by_quota = quota_weights(n, quotas, ratio, cfg.floor) if cfg.quota_allocation == "proportional" else None

@@ -98,12 +98,9 @@ def _scale(n: torch.Tensor, budget: int, generator: Optional[torch.Generator] = 
         return n.clone()
     q = [v * budget // total for v in vals]
     if generator is not None:
-        offset = min(total - 1, int(float(torch.rand((), generator=generator, dtype=torch.float64)) * total))
-        end = 0
-        for i, v in enumerate(vals):
-            start, end = end, end + v * budget % total
-            q[i] += -((offset - end) // total) + ((offset - start) // total)  # points k total + offset in [start, end)
-        return torch.tensor(q, dtype=n.dtype)
+        frac = n.long() * budget % total
+        offset = (torch.rand((), generator=generator, dtype=torch.float64) * total).long().clamp_max(total - 1)
+        return torch.tensor(q, dtype=n.dtype) + _sampled_extras(frac, total, offset).to(n.dtype)
     rest = sorted(range(len(vals)), key=lambda i: (-(vals[i] * budget % total), i))[:budget - sum(q)]
     for i in rest:
         q[i] += 1
@@ -205,8 +202,7 @@ def rank_shares(quotas: torch.Tensor, all_counts: torch.Tensor,
     if generator is not None:
         # integer points k n + U (U uniform in [0, n_e)) falling in rank r's stretch [A_{r-1}, A_r) of the fractions
         offset = (torch.rand(n.shape, generator=generator, dtype=torch.float64) * n).long().clamp_max(n - 1)
-        ends = frac.cumsum(0)
-        return base + _ceil_div(ends - offset, n) - _ceil_div(ends - frac - offset, n)
+        return base + _sampled_extras(frac, n, offset)
     remainder = q - base.sum(0)                                  # [E], < number of ranks with frac > 0
     R = c.shape[0]
     # order ranks by fractional part, descending, ties by rank: a stable sort of -frac
@@ -215,7 +211,15 @@ def rank_shares(quotas: torch.Tensor, all_counts: torch.Tensor,
     return base + torch.zeros_like(base).scatter_(0, order, bonus)
 
 
-def _ceil_div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _sampled_extras(frac: torch.Tensor, den, offset) -> torch.Tensor:
+    """Systematic sampling along dim 0: entry i gets 1 where a point k den + offset (k integer) falls in its stretch
+    [F_{i-1}, F_i) of the cumulated fractions frac (integers in [0, den)), else 0: with offset uniform in [0, den),
+    probability exactly frac_i / den, and as many ones as the fractions add up to (a whole number of den)."""
+    ends = frac.cumsum(0)
+    return _ceil_div(ends - offset, den) - _ceil_div(ends - frac - offset, den)
+
+
+def _ceil_div(a: torch.Tensor, b) -> torch.Tensor:
     return -torch.div(-a, b, rounding_mode="floor")
 
 
