@@ -154,18 +154,67 @@ def predicted_variance(records, ratio):
     return out
 
 
-ALLOCATIONS = ("waterfill", "proportional", "one threshold per layer")
+ALLOCATIONS = ("waterfill", "proportional", "one threshold per layer", "quotas from this batch's threshold (oracle)",
+               "quotas from the previous batch's threshold", "quotas from the previous batch's metric mass")
 
 
-def predicted_variance_by_allocation(records, ratio):
-    """{allocation: the same summed variance for the grad_norm metric}, each layer keeping the water-fill's total."""
+def _mass_fractions(sizes, m, total):
+    """Per expert, min(1, M_e / (tau n_e)) for its metric mass M_e, tau such that the kept counts add up to
+    ``total``: the one-threshold fractions as if every pair of an expert had its mean metric (a water-fill over the
+    masses, capped by the counts: E numbers per layer, what a layer could sum on the device in its backward)."""
+    bounds = [0] + sizes.cumsum(0).tolist()
+    mass = torch.tensor([float(m[lo:hi].sum()) for lo, hi in zip(bounds, bounds[1:])], dtype=torch.float64)
+    n = sizes.double()
+    lo, hi = 1e-30, float(mass.max()) + 1.0
+    for _ in range(200):  # bisection on tau: sum_e min(n_e, M_e / tau) falls with tau
+        tau = (lo * hi) ** 0.5
+        lo, hi = (tau, hi) if float(torch.minimum(n, mass / tau).sum()) > total else (lo, tau)
+    return torch.minimum(n, mass / hi) / n.clamp_min(1)
+
+
+def _earned_fractions(sizes, m, total):
+    """Per expert, the fraction of its pairs that one threshold over the layer keeps in expectation (sum of its
+    inclusion probabilities over its pairs)."""
+    pi = inclusion(m, total)
+    bounds = [0] + sizes.cumsum(0).tolist()
+    return torch.tensor([float(pi[lo:hi].sum()) / max(1, hi - lo) for lo, hi in zip(bounds, bounds[1:])],
+                        dtype=torch.float64)
+
+
+def _quotas_from_fractions(sizes, fractions, total):
+    """Planned quotas min(n_e, f_e n_e scaled so that they add up to about ``total``)."""
+    want = fractions * sizes.double()
+    q = torch.minimum(sizes.double(), want * total / max(float(want.sum()), 1e-30)).floor().long()
+    return q
+
+
+def predicted_variance_by_allocation(records, ratio, previous=None):
+    """{allocation: the same summed variance for the grad_norm metric}, each layer keeping the water-fill's total.
+    previous: the records of another batch, whose one-threshold fractions plan this batch's per-expert quotas (what a
+    layer could plan in the forward from its last backward)."""
     out = {name: 0.0 for name in ALLOCATIONS}
-    for sizes, r in records:
-        m, w = METRICS["grad_norm (||dy|| ||x||)"](r).clamp_min(1e-30), _term_norms_sq(r)
+    metric = METRICS["grad_norm (||dy|| ||x||)"]
+    for i, (sizes, r) in enumerate(records):
+        m, w = metric(r).clamp_min(1e-30), _term_norms_sq(r)
         waterfill = plan_quotas(sizes, ratio)
+        total = int(waterfill.sum())
         out["waterfill"] += _per_expert_variance(sizes, m, w, waterfill)
         out["proportional"] += _per_expert_variance(sizes, m, w, plan_quotas(sizes, ratio, allocation="proportional"))
-        out["one threshold per layer"] += _ht_variance(m, w, int(waterfill.sum()))
+        out["one threshold per layer"] += _ht_variance(m, w, total)
+        oracle = _quotas_from_fractions(sizes, _earned_fractions(sizes, m, total), total)
+        out["quotas from this batch's threshold (oracle)"] += _per_expert_variance(sizes, m, w, oracle)
+        if previous is not None:
+            p_sizes, p_r = previous[i]
+            p_m = metric(p_r).clamp_min(1e-30)
+            fractions = _earned_fractions(p_sizes, p_m, int(plan_quotas(p_sizes, ratio).sum()))
+            out["quotas from the previous batch's threshold"] += _per_expert_variance(
+                sizes, m, w, _quotas_from_fractions(sizes, fractions, total))
+            fractions = _mass_fractions(p_sizes, p_m, int(plan_quotas(p_sizes, ratio).sum()))
+            out["quotas from the previous batch's metric mass"] += _per_expert_variance(
+                sizes, m, w, _quotas_from_fractions(sizes, fractions, total))
+        else:
+            out["quotas from the previous batch's threshold"] = float("nan")
+            out["quotas from the previous batch's metric mass"] = float("nan")
     return out
 
 
@@ -253,7 +302,8 @@ def main(argv=None):
     lines += ["", "Predicted variance of the same, for the grad_norm metric, by how each layer's retained count "
               "(the water-fill's) is split over its experts, over the same minibatch noise:", "",
               "| allocation | " + " | ".join(f"r={r}" for r in args.ratio) + " |", "| --- " * (1 + len(args.ratio)) + "|"]
-    by_allocation = {r: predicted_variance_by_allocation(records, r) for r in args.ratio}
+    previous = record_row_norms(model, batches[1], targs.aux_loss_coef) if len(batches) > 1 else None
+    by_allocation = {r: predicted_variance_by_allocation(records, r, previous) for r in args.ratio}
     for name in ALLOCATIONS:
         lines.append(f"| {name} | " + " | ".join(f"{by_allocation[r][name] / expert_mb:.2f}" for r in args.ratio) + " |")
     text = "\n".join(lines)
