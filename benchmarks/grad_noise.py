@@ -233,8 +233,11 @@ def main(argv=None):
                    help="quota_allocation of each measured variant (with every metric), e.g. waterfill threshold")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=None)
+    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
+                   help="train.py model flags, last (e.g. --extra --experts 32 --top_k 8 --ffn 64)")
     args = p.parse_args(argv)
-    targs = train.parse_args(["--deepspeed_config", args.deepspeed_config, "--ep_size", "1", "--seed", str(args.seed)])
+    targs = train.parse_args(["--deepspeed_config", args.deepspeed_config, "--ep_size", "1", "--seed", str(args.seed)]
+                             + args.extra)
     torch.manual_seed(args.seed)
     model = train.ByteMoELM(targs)
     data, _, desc = train.load_corpus(targs.data, targs.train_bytes, targs.val_bytes, targs.val_every)
