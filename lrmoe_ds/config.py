@@ -32,7 +32,7 @@ class LRMoEConfig(DeepSpeedConfigModel):
     the last, e.g. [[0, 0.35], [300, 0.35], [500, 1.0]]. Not with retention_ratio. (Measured: such a
     schedule of mean 0.5, ending exact, converged no better than a constant 0.5; benchmarks/results.)"""
 
-    quota_allocation: Literal["waterfill", "proportional", "threshold"] = "waterfill"
+    quota_allocation: Literal["waterfill", "proportional", "threshold", "metric_mass"] = "waterfill"
     """How the retained pairs are shared among experts: "waterfill" (from above: cold experts keep every
     pair, the hottest are capped first) or "proportional" (every expert keeps the same fraction), planned
     in the forward; the budget's and the balance factor's per-rank cuts follow the same rule. "threshold":
@@ -40,7 +40,12 @@ class LRMoEConfig(DeepSpeedConfigModel):
     over all of them, so an expert keeps as many pairs as its metric mass earns (less sampling variance:
     benchmarks/results/grad_noise_alloc_cpu.md); the budget's row cap then bounds each expert (the balance
     factor does not apply), and the backward exchanges its kept counts before its all-to-all (ep_size > 1).
-    Not with floor or replica_slots, which need planned quotas."""
+    Not with floor or replica_slots, which need planned quotas. "metric_mass": planned in the forward like the
+    water-fill, but each expert's share follows the last training backward's metric mass (Q_e = min(n_e, n_e w_e /
+    tau), w_e a pair's mean metric at e there, at least 1 for an expert with pairs): about the threshold's split, so
+    most of its lower variance (benchmarks/results/grad_noise_planned_cpu.md), with quotas known in the forward. The
+    first step plans by the water-fill; the backward sums the metric per expert (one all-reduce of E numbers where
+    ep_size > 1). Not with replica_slots."""
 
     metric: Literal["grad_norm", "gate", "uniform"] = "grad_norm"
     """Contribution of a pair to its expert's update: ||dy_p|| ||x_p|| ("grad_norm"), the gate
@@ -142,6 +147,9 @@ class LRMoEConfig(DeepSpeedConfigModel):
             if planned:
                 raise ValueError(f'quota_allocation "threshold" chooses each expert\'s count in the backward; '
                                  f'{" and ".join(planned)} need planned quotas ("waterfill" or "proportional")')
+        if self.quota_allocation == "metric_mass" and self.replica_slots:
+            raise ValueError('quota_allocation "metric_mass" does not place replicas: set replica_slots 0, or use '
+                             '"waterfill" or "proportional" with replicas')
         return self
 
     @model_validator(mode="after")

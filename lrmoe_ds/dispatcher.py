@@ -249,6 +249,13 @@ class AllToAllDispatcher:
         counts = counts.cpu().view(R, E)
         return self.compact(counts, kept_sizes.device), counts.sum(0)
 
+    def sum_over_group(self, t: torch.Tensor) -> torch.Tensor:
+        """t summed in place over the expert-parallel group (one all-reduce; nothing on one rank)."""
+        if self.ep_size > 1:
+            COLLECTIVE_CALLS["all_reduce"] += 1
+            dist.all_reduce(t, group=self.ep_group)
+        return t
+
     # Plain (not autograd) exchanges, for callers that write their own backward. `splits` is the
     # DispatchPlan of the forward or the CompactPlan of the backward's retained rows.
     def to_experts(self, rows: torch.Tensor, splits) -> torch.Tensor:

@@ -16,7 +16,7 @@ from torch import nn
 from lrmoe_ds import ops
 from lrmoe_ds.autograd import apply_fast
 from lrmoe_ds.config import LRMoEConfig
-from lrmoe_ds.dispatcher import AllToAllDispatcher, DispatchPlan
+from lrmoe_ds.dispatcher import AllToAllDispatcher, DispatchPlan, HostCopy
 from lrmoe_ds.experts import EXPERT_TYPES, GroupedExperts
 from lrmoe_ds.placement import plan_with_replicas
 from lrmoe_ds.pipeline import ExpertWeights, RoutedMLP, WeightGrads, router_dots_from_rows, stash_keeps_rows
@@ -191,8 +191,14 @@ class LRMoE(MoE):
                                                             cfg.balance_factor, max_rows, cfg.quota_allocation,
                                                             cfg.replica_min_rows, rounding_gen)
             else:
-                quotas = plan_quotas(n, ratio, R, cfg.floor, cfg.balance_factor, max_rows, cfg.quota_allocation,
-                                     granule, rounding_gen)
+                allocation, weights = cfg.quota_allocation, None
+                if allocation == "metric_mass":  # from the last backward's masses; the water-fill until there is one
+                    weights = self._mass_weights()
+                    allocation = "waterfill" if weights is None else allocation
+                quotas = plan_quotas(n, ratio, R, cfg.floor, cfg.balance_factor, max_rows, allocation,
+                                     granule, rounding_gen, weights)
+                if cfg.quota_allocation == "metric_mass":
+                    spec.on_mass = lambda mass, n=n: setattr(self, "_metric_mass", (HostCopy(mass), n))
             retained = quotas.view(R, -1).sum(1) if placed is None else placed.retained_per_rank()
             self.last_stats = RetentionStats(n, quotas, n.view(R, -1).sum(1), retained, policy,
                                              replica_rows=0 if placed is None else placed.replica_rows(), **row_bytes)
@@ -216,6 +222,17 @@ class LRMoE(MoE):
         rows = torch.tensor([plan.order.numel()]) if R == 1 else plan.all_counts.sum(0).view(R, -1).sum(1)
         self.last_stats = RetentionStats(plan.host_counts, None, rows, rows.clone(), policy, **row_bytes)
         return spec, None
+
+    def _mass_weights(self) -> Optional[torch.Tensor]:
+        """[E] a pair's mean metric per expert in the last training backward that made one ("metric_mass"); an expert
+        that had no pairs there takes the layer's mean; None before the first."""
+        last = getattr(self, "_metric_mass", None)
+        if last is None:
+            return None
+        mass, n = last[0].get().double().cpu(), last[1].double()
+        if float(mass.sum()) <= 0:
+            return None
+        return torch.where(n > 0, mass / n.clamp_min(1), mass.sum() / n.sum())
 
     def _cached_row_bytes(self, spec: BackwardSpec, dtype: torch.dtype) -> dict:
         """_row_bytes, made once per config object and case (every training forward asks: ~15 us of host time)."""

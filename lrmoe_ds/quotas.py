@@ -123,7 +123,44 @@ def quota_weights(counts: torch.Tensor, quotas: torch.Tensor, retention_ratio: f
     return torch.where(lucky, total / scaled.clamp_min(1).double(), torch.ones((), dtype=torch.float64)).float()
 
 
-ALLOCATIONS = {"waterfill": _level, "proportional": _scale}
+def _mass_fill(n: torch.Tensor, budget: int, weights: torch.Tensor) -> torch.Tensor:
+    """The "metric_mass" split: Q_e = min(n_e, n_e w_e / tau) with tau the smallest that fits ``budget`` (w_e: a
+    pair's mean metric at expert e in the last backward, so each expert keeps about the share one priority-sampling
+    threshold over the layer would give it), rounded down, at least 1 for every expert with pairs (so that none is
+    left out of its gradient: any fixed quota >= 1 keeps it unbiased), the pairs left by the rounding to the largest
+    remainders (ties: lower index). n itself if it is within budget; the plain water-fill where the budget has fewer
+    pairs than experts with pairs."""
+    vals = n.tolist()
+    total, busy = sum(vals), sum(1 for v in vals if v > 0)
+    if total <= budget:
+        return n.clone()
+    if budget < busy:
+        return _level(n, budget)
+    mass = [v * max(float(w), 0.0) for v, w in zip(vals, weights.tolist())]
+    if sum(mass) <= 0:
+        return _level(n, budget)
+    # experts saturate (keep all n_e) in order of falling w_e; tau from the rest
+    order = sorted((e for e in range(len(vals)) if vals[e] > 0), key=lambda e: -mass[e] / vals[e])
+    kept_whole, rest_mass, tau = 0, sum(mass), None
+    for j, e in enumerate(order):
+        left = budget - kept_whole
+        tau = rest_mass / left if left > 0 else float("inf")
+        if mass[e] / vals[e] <= tau:
+            break
+        kept_whole += vals[e]
+        rest_mass -= mass[e]
+    exact = [min(float(v), m / tau) if v > 0 and tau and tau != float("inf") else float(v) for v, m in zip(vals, mass)]
+    q = [min(v, max(1, math.floor(x))) if v > 0 else 0 for v, x in zip(vals, exact)]
+    while sum(q) > budget:  # the minimum of 1 overshot: take back from the largest quotas
+        e = max(range(len(q)), key=lambda i: (q[i], -i))
+        q[e] -= 1
+    rest = sorted((e for e in range(len(q)) if q[e] < vals[e]), key=lambda e: (-(exact[e] - math.floor(exact[e])), e))
+    for e in rest[:max(0, budget - sum(q))]:
+        q[e] += 1
+    return torch.tensor(q, dtype=n.dtype)
+
+
+ALLOCATIONS = {"waterfill": _level, "proportional": _scale, "metric_mass": _mass_fill}
 
 
 def quota_granule(device: torch.device) -> int:
@@ -135,8 +172,8 @@ def quota_granule(device: torch.device) -> int:
 
 def plan_quotas(counts: torch.Tensor, retention_ratio: float = 1.0, ep_size: int = 1, floor: float = 0.0,
                 balance_factor: float = float("inf"), max_rows_per_rank: Optional[int] = None,
-                allocation: Literal["waterfill", "proportional"] = "waterfill", granule: int = 1,
-                generator: Optional[torch.Generator] = None) -> torch.Tensor:
+                allocation: Literal["waterfill", "proportional", "metric_mass"] = "waterfill", granule: int = 1,
+                generator: Optional[torch.Generator] = None, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Q_e, the pairs of each expert whose backward runs.
 
     counts [E] int (n_e over the expert-parallel group; expert e lives on rank e // (E / ep_size)).
@@ -149,11 +186,16 @@ def plan_quotas(counts: torch.Tensor, retention_ratio: float = 1.0, ep_size: int
     Ratio 1 with no budget gives Q = n (exact). granule: the water-fill's capped quotas in whole GEMM tiles
     (:func:`_level`; the layer passes :func:`quota_granule`); "proportional" ignores it. generator: "proportional"'s
     target rounded by sampling (:func:`_scale`, :func:`quota_weights`); its per-rank cuts under a memory cap stay in
-    the fixed order (a hard limit, where an expert rounded down to 0 stays out).
+    the fixed order (a hard limit, where an expert rounded down to 0 stays out). weights [E]: "metric_mass"'s mean
+    metric per pair of each expert (:func:`_mass_fill`); its per-rank cuts are the water-fill's.
     """
     if allocation not in ALLOCATIONS:
         raise ValueError(f"unknown quota allocation {allocation!r}; accepted: {', '.join(ALLOCATIONS)}")
     cut = ALLOCATIONS[allocation]
+    if allocation == "metric_mass":  # the target by the masses; a rank over its cap is cut by the water-fill
+        if weights is None:
+            raise ValueError('quota allocation "metric_mass" needs the experts\' weights (a pair\'s mean metric)')
+        cut = _level
     if allocation == "waterfill" and granule > 1:
         cut = functools.partial(_level, granule=granule)
     if not 0.0 < retention_ratio <= 1.0:
@@ -161,7 +203,8 @@ def plan_quotas(counts: torch.Tensor, retention_ratio: float = 1.0, ep_size: int
     n = counts.detach().long().cpu()
     if n.numel() % ep_size:
         raise ValueError(f"{n.numel()} experts cannot be split over ep_size {ep_size}")
-    target = functools.partial(_scale, generator=generator) if allocation == "proportional" and generator else cut
+    target = functools.partial(_scale, generator=generator) if allocation == "proportional" and generator else \
+        functools.partial(_mass_fill, weights=weights) if allocation == "metric_mass" else cut
     q = target(n, target_pairs(retention_ratio, int(n.sum())))
     per_rank = q.view(ep_size, -1)
     caps = [float("inf")] * ep_size

@@ -35,7 +35,8 @@ class BackwardSpec:
         then per-expert caps), or None.  on_kept: called with the kept pairs per expert over the
         expert-parallel group [E] where the backward chose them (``totals``).
     share_weights [R, E] or None: the factor each kept pair's weight takes for its (rank, expert) share having been
-        sampled (quotas.share_weights); None: 1 for all.
+        sampled (quotas.share_weights); None: 1 for all.  on_mass: called with every expert's metric mass over the
+        group [E] (fp32, on the device) where the backward made it (the "metric_mass" allocation's next quotas).
     """
     policy: str = "stash"
     router_grad: str = "exact"
@@ -51,6 +52,7 @@ class BackwardSpec:
     on_kept: Optional[Callable[[torch.Tensor], None]] = None
     dropped_router_dots: str = "saved"
     share_weights: Optional[torch.Tensor] = None
+    on_mass: Optional[Callable[[torch.Tensor], None]] = None
 
 
 def pair_metric(metric: Metric, gate: torch.Tensor, dout_norm: Optional[torch.Tensor],

@@ -20,6 +20,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 from torch import nn
 
 import lrmoe_ds
+from lrmoe_ds.quotas import plan_quotas
 from lrmoe_ds import dispatcher as dispatcher_module
 from saved_bytes import counting_saved_bytes
 
@@ -249,6 +250,22 @@ def run_retention_ep2(data):
     out["threshold"] = {"kept_half_of_mine": pairs.numel() == B * S * K // 2,
                         "counts_exchanged": torch.equal(total_kept, moe.last_stats.retained()),
                         "unbiased": sampling_error(grads0, 0.5, data, extra=threshold)}
+    # "metric_mass": the first step plans by the water-fill, its backward all-reduces each expert's metric mass, and
+    # the next steps plan from it, the same on both ranks (their shares and exchange sizes must agree)
+    engine = make_engine(2, {"enabled": True, "retention_ratio": 0.5, "seed": 3, "quota_allocation": "metric_mass"})
+    moe = engine.module.moe
+    losses = train_steps(engine, data[:1])
+    mass = moe._metric_mass[0].get().clone()
+    masses = [torch.zeros_like(mass) for _ in range(dist.get_world_size())]
+    dist.all_gather(masses, mass)
+    weights = moe._mass_weights()
+    losses += train_steps(engine, data[1:2])
+    stats = moe.last_stats
+    planned = plan_quotas(stats.counts, 0.5, 2, 0.0, 1.25, None, "metric_mass", weights=weights)
+    out["metric_mass"] = {"mass_agrees": all(torch.equal(m, masses[0]) for m in masses),
+                          "planned_from_mass": torch.equal(stats.quotas, planned),
+                          "not_the_waterfill": not torch.equal(stats.quotas, plan_quotas(stats.counts, 0.5, 2, 0.0, 1.25)),
+                          "losses_finite": all(l == l for l in losses)}
     out["replicas"] = run_replicas(data, grads0)
     return out
 

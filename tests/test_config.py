@@ -49,6 +49,7 @@ def test_bad_block_names_the_key(block, message):
     ({"retention_schedule": [[0]]}, '"retention_schedule.0.1"'),
     ({"quota_allocation": "threshold", "floor": 0.1}, 'quota_allocation "threshold" .*; floor need planned quotas'),
     ({"quota_allocation": "threshold", "replica_slots": 1}, "replica_slots need planned quotas"),
+    ({"quota_allocation": "metric_mass", "replica_slots": 1}, '"metric_mass" does not place replicas'),
     ({"replica_slots": -1}, '"replica_slots": Input should be greater than or equal to 0'),
 ])
 def test_bad_retention_schedule(block, message):

@@ -42,6 +42,8 @@ def test_multi_rank_matches_single_process(tmp_path):
     for ratio, err in ep2["unbiased"].items():  # over 2 ranks the sampled gradient averages to the exact one
         assert err["one_sample"] > 0.02, (ratio, err)                  # one sample really drops pairs...
         assert err["mean"] < 0.35 * err["one_sample"], (ratio, err)     # ...and the mean converges (1/sqrt(32) = 0.18)
+    mass = ep2["metric_mass"]              # quota_allocation "metric_mass": quotas from the masses, ranks agree
+    assert all(mass.values()), mass
     threshold = ep2["threshold"]           # quota_allocation "threshold": half of each rank's pairs, counts exchanged
     assert threshold["kept_half_of_mine"] and threshold["counts_exchanged"], threshold
     err = threshold["unbiased"]

@@ -80,6 +80,51 @@ def test_targets_are_exact_for_the_ratio_as_written():
     assert torch.equal(plan_quotas(n, 0.5, ep_size=2, balance_factor=1e308), plan_quotas(n, 0.5))
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_metric_mass_split(seed):
+    """Q_e = min(n_e, n_e w_e / tau) rounded down, at least 1 for an expert with pairs, the rounding's pairs to the
+    largest remainders: within the budget and within the number of experts of it; an expert of larger weight keeps no
+    smaller a fraction of its pairs (up to the rounding); equal weights give the proportional split (every pair
+    alike: one threshold keeps the same fraction of every expert)."""
+    from lrmoe_ds.quotas import _level, _mass_fill
+    g = torch.Generator().manual_seed(seed)
+    E = int(torch.randint(2, 30, (1,), generator=g))
+    n = torch.randint(0, 300, (E,), generator=g)
+    w = torch.rand(E, generator=g, dtype=torch.float64) * 3
+    busy = int((n > 0).sum())
+    for budget in sorted({busy, int(n.sum()) // 3, int(n.sum()) // 2, int(n.sum()) - 1}):
+        if budget < busy or budget >= int(n.sum()):
+            continue
+        q = _mass_fill(n, budget, w)
+        assert int(q.sum()) == budget and torch.all(q <= n) and torch.all(q[n > 0] >= 1) and torch.all(q[n == 0] == 0)
+        frac = q.double() / n.clamp_min(1)
+        for i in range(E):
+            for j in range(E):
+                if n[i] > 1 and n[j] > 1 and w[i] > w[j] and q[j] > 1:
+                    assert frac[i] >= frac[j] - 1.0 / float(n[i]) - 1.0 / float(n[j]), (n.tolist(), w.tolist(), q.tolist())
+    alike = plan_quotas(n, 0.5, allocation="proportional")
+    same = _mass_fill(n, int(0.5 * int(n.sum())), torch.ones(E, dtype=torch.float64))
+    assert int((same - alike).abs().max()) <= 1, (same.tolist(), alike.tolist())
+
+
+def test_metric_mass_plans_from_the_last_backward(monkeypatch):
+    """The first step plans by the water-fill; its backward sums the metric per expert, and the next step's quotas
+    follow those masses (the expert with the heavier pairs keeps more of them)."""
+    layer, x = make_layer()
+    configure(layer, retention_ratio=0.5, quota_allocation="metric_mass")
+    layer_grads(layer, x, step=0)
+    n = layer.last_stats.counts
+    assert torch.equal(layer.last_stats.quotas, plan_quotas(n, 0.5))
+    weights = layer._mass_weights()
+    assert weights is not None and bool((weights > 0).all())
+    layer_grads(layer, x, step=1)
+    q = layer.last_stats.quotas
+    assert torch.equal(q, plan_quotas(n, 0.5, allocation="metric_mass", weights=weights))
+    assert not torch.equal(q, plan_quotas(n, 0.5))
+    with pytest.raises(ValueError, match="needs the experts' weights"):
+        plan_quotas(n, 0.5, allocation="metric_mass")
+
+
 def test_quota_granule_by_device(monkeypatch):
     """Whole tiles only where the GEMMs tile (CUDA); the environment overrides it there."""
     from lrmoe_ds.quotas import quota_granule
@@ -504,7 +549,7 @@ def test_topk_selection_keeps_the_largest_metric():
 
 
 @pytest.mark.parametrize("allocation,ratio,n", [("waterfill", 0.5, 100), ("threshold", 0.5, 100),
-                                                 ("proportional", 0.025, 400)])
+                                                 ("proportional", 0.025, 400), ("metric_mass", 0.5, 100)])
 def test_ratio_half_is_unbiased_and_router_stays_exact(allocation, ratio, n):
     """(proportional at 0.025, 3 of 128 pairs: every expert's quota has a whole part of 0, so which experts keep a pair is sampled,
     weighted through the layer's backward by quota_weights)"""
