@@ -29,7 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUN_NAMES = ("exact", "grad_norm", "uniform", "proportional", "threshold", "ramp", "retained_router")
+RUN_NAMES = ("exact", "grad_norm", "uniform", "proportional", "threshold", "metric_mass", "ramp", "retained_router")
 
 
 def run_spec(run, args):
@@ -43,6 +43,9 @@ def run_spec(run, args):
     if run == "proportional":  # grad_norm sampling, every expert keeping the same fraction
         return f"retention {ratio:g}, grad_norm, proportional quotas", {
             "enabled": True, "retention_ratio": ratio, "metric": "grad_norm", "quota_allocation": "proportional"}
+    if run == "metric_mass":  # grad_norm sampling, quotas planned from the last backward's per-expert metric mass
+        return f"retention {ratio:g}, grad_norm, metric-mass quotas", {
+            "enabled": True, "retention_ratio": ratio, "metric": "grad_norm", "quota_allocation": "metric_mass"}
     if run == "threshold":  # grad_norm sampling, one threshold over each rank's pairs instead of planned quotas
         return f"retention {ratio:g}, grad_norm, one threshold", {
             "enabled": True, "retention_ratio": ratio, "metric": "grad_norm", "quota_allocation": "threshold"}
