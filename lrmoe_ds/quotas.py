@@ -128,8 +128,8 @@ def _mass_fill(n: torch.Tensor, budget: int, weights: torch.Tensor) -> torch.Ten
     pair's mean metric at expert e in the last backward, so each expert keeps about the share one priority-sampling
     threshold over the layer would give it), rounded down, at least 1 for every expert with pairs (so that none is
     left out of its gradient: any fixed quota >= 1 keeps it unbiased), the pairs left by the rounding to the largest
-    remainders (ties: lower index). n itself if it is within budget; the plain water-fill where the budget has fewer
-    pairs than experts with pairs."""
+    remainders (ties: lower index), and what is still left (experts of weight 0 only) by the water-fill. n itself if it
+    is within budget; the plain water-fill where the budget has fewer pairs than experts with pairs."""
     vals = n.tolist()
     total, busy = sum(vals), sum(1 for v in vals if v > 0)
     if total <= budget:
@@ -141,15 +141,14 @@ def _mass_fill(n: torch.Tensor, budget: int, weights: torch.Tensor) -> torch.Ten
         return _level(n, budget)
     # experts saturate (keep all n_e) in order of falling w_e; tau from the rest
     order = sorted((e for e in range(len(vals)) if vals[e] > 0), key=lambda e: -mass[e] / vals[e])
-    kept_whole, rest_mass, tau = 0, sum(mass), None
-    for j, e in enumerate(order):
-        left = budget - kept_whole
-        tau = rest_mass / left if left > 0 else float("inf")
+    kept_whole, rest_mass, tau = 0, sum(mass), 0.0
+    for e in order:  # total > budget: some expert is left unsaturated, so tau is set there (0: only weightless left)
+        tau = max(rest_mass, 0.0) / (budget - kept_whole)
         if mass[e] / vals[e] <= tau:
             break
         kept_whole += vals[e]
         rest_mass -= mass[e]
-    exact = [min(float(v), m / tau) if v > 0 and tau and tau != float("inf") else float(v) for v, m in zip(vals, mass)]
+    exact = [float(v) if v and m / v > tau else (m / tau if tau > 0 else 0.0) for v, m in zip(vals, mass)]
     q = [min(v, max(1, math.floor(x))) if v > 0 else 0 for v, x in zip(vals, exact)]
     while sum(q) > budget:  # the minimum of 1 overshot: take back from the largest quotas
         e = max(range(len(q)), key=lambda i: (q[i], -i))
@@ -157,7 +156,10 @@ def _mass_fill(n: torch.Tensor, budget: int, weights: torch.Tensor) -> torch.Ten
     rest = sorted((e for e in range(len(q)) if q[e] < vals[e]), key=lambda e: (-(exact[e] - math.floor(exact[e])), e))
     for e in rest[:max(0, budget - sum(q))]:
         q[e] += 1
-    return torch.tensor(q, dtype=n.dtype)
+    q = torch.tensor(q, dtype=n.dtype)
+    left = budget - int(q.sum())
+    # more left than one pair each: experts without weight (every metric 0 there) share it by the water-fill
+    return q + _level(n - q, left) if left > 0 else q
 
 
 ALLOCATIONS = {"waterfill": _level, "proportional": _scale, "metric_mass": _mass_fill}

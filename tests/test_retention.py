@@ -102,6 +102,11 @@ def test_metric_mass_split(seed):
             for j in range(E):
                 if n[i] > 1 and n[j] > 1 and w[i] > w[j] and q[j] > 1:
                     assert frac[i] >= frac[j] - 1.0 / float(n[i]) - 1.0 / float(n[j]), (n.tolist(), w.tolist(), q.tolist())
+    w[: E // 2] = 0.0  # experts whose every metric was 0: they keep a pair each, and share what is left
+    budget = int(n.sum()) // 2
+    if budget >= busy:
+        q = _mass_fill(n, budget, w)
+        assert budget - E < int(q.sum()) <= budget and torch.all(q <= n) and torch.all(q[n > 0] >= 1)
     alike = plan_quotas(n, 0.5, allocation="proportional")
     same = _mass_fill(n, int(0.5 * int(n.sum())), torch.ones(E, dtype=torch.float64))
     assert int((same - alike).abs().max()) <= 1, (same.tolist(), alike.tolist())
