@@ -178,7 +178,7 @@ class LRMoE(MoE):
             # the rounding's sampling (proportional quotas, shares): one generator state on every rank, so that all
             # make the same quotas and shares
             rounding_gen = None
-            if R > 1 or cfg.quota_allocation == "proportional":
+            if (R > 1 and cfg.quota_allocation != "threshold") or cfg.quota_allocation == "proportional":
                 key = f"{cfg.seed}/{self.layer_number}/{self._retention_step_host}/shares".encode()
                 rounding_gen = torch.Generator().manual_seed(
                     int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1)

@@ -117,10 +117,7 @@ def quota_weights(counts: torch.Tensor, quotas: torch.Tensor, retention_ratio: f
     if total <= budget:
         return None
     scaled = n * budget
-    lucky = (scaled < total) & (quotas.cpu() > 0) & (floor_pairs(floor, n) == 0)
-    if not bool(lucky.any()):
-        return None
-    return torch.where(lucky, total / scaled.clamp_min(1).double(), torch.ones((), dtype=torch.float64)).float()
+    return _inverse_inclusion(scaled, total, (scaled < total) & (quotas.cpu() > 0) & (floor_pairs(floor, n) == 0))
 
 
 def _mass_fill(n: torch.Tensor, budget: int, weights: torch.Tensor) -> torch.Tensor:
@@ -278,10 +275,15 @@ def share_weights(quotas: torch.Tensor, all_counts: torch.Tensor, shares: torch.
     q = torch.minimum(quotas.detach().long().cpu(), c.sum(0))
     n = c.sum(0).clamp_min(1)
     scaled = q.unsqueeze(0) * c
-    lucky = (scaled < n) & (shares.cpu() > 0)
+    return _inverse_inclusion(scaled, n, (scaled < n) & (shares.cpu() > 0))
+
+
+def _inverse_inclusion(scaled: torch.Tensor, den, lucky: torch.Tensor) -> Optional[torch.Tensor]:
+    """den / scaled where ``lucky`` (a count sampled up to 1 from a whole part of 0, with probability scaled / den),
+    1 elsewhere, fp32; None where nothing is lucky."""
     if not bool(lucky.any()):
         return None
-    return torch.where(lucky, n.double() / scaled.clamp_min(1).double(), torch.ones((), dtype=torch.float64)).float()
+    return torch.where(lucky, den / scaled.clamp_min(1).double(), torch.ones((), dtype=torch.float64)).float()
 
 
 class RetentionStats:
