@@ -73,7 +73,7 @@ def parse_args(argv=None):
     p.add_argument("--policies", nargs="+", choices=["stash", "recompute", "auto"], default=["stash", "recompute"])
     p.add_argument("--router_grad", choices=["exact", "retained"], default="exact")
     p.add_argument("--metric", choices=["grad_norm", "gate", "uniform"], default="grad_norm")
-    p.add_argument("--allocations", nargs="+", choices=["waterfill", "proportional", "threshold"],
+    p.add_argument("--allocations", nargs="+", choices=["waterfill", "proportional", "threshold", "metric_mass"],
                    default=["waterfill"], help="quota_allocation of the enabled rows (each with every ratio)")
     p.add_argument("--dropped_router_dots", nargs="+", choices=["saved", "recomputed"], default=["saved"],
                    help="dropped_router_dots of the enabled rows (each with every ratio)")

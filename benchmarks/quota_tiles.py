@@ -4,7 +4,8 @@ A grouped GEMM tiles each expert's rows (64 rows per forward/dgrad tile on the H
 wgrad) and computes a group's partial last tile in full. This counts, at bench_layer.py's shapes and routing
 (its random routers, with its --skew), the retained rows per expert at retention ratios under the water-fill
 (plain, and in whole tiles: ``plan_quotas(..., granule=64)``, what the layer does on CUDA) and one threshold
-(``select_retained(..., total=...)`` on a grad_norm metric from random norms), and the padding each leaves:
+(``select_retained(..., total=...)`` on a grad_norm metric from random norms) and "metric_mass" (weights: each
+expert's mean metric of that draw; plain and in whole tiles of 64), and the padding each leaves:
 (rows rounded up to whole tiles - rows) / rows.
 
     python3 benchmarks/quota_tiles.py --out benchmarks/results/quota_tiles_cpu.md
@@ -38,8 +39,9 @@ def main():
              "max/mean: the hottest expert's routed pairs over the mean. rows kept vs plain: the tiled quotas' sum over "
              "the plain water-fill's (both within the target).", "",
              "| shape | tokens | skew | max/mean | retention | exact pad 64 | water-fill pad 64 / 128 | water-fill in tiles of 64: "
-             "pad 64 / 128, rows kept vs plain | threshold pad 64 / 128 |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "pad 64 / 128, rows kept vs plain | threshold pad 64 / 128 | metric_mass pad 64 / 128 | metric_mass in tiles "
+             "of 64: pad 64 / 128, rows kept vs plain |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for shape, (title, H, _, E, k) in SHAPES.items():
         for T in args.tokens:
             for s in args.skews:
@@ -58,13 +60,20 @@ def main():
                 for ratio in args.ratios:
                     plain = plan_quotas(counts, ratio)
                     tiled = plan_quotas(counts, ratio, granule=64)
+                    mean_metric = torch.zeros(E, dtype=torch.float64).index_add_(
+                        0, idx.flatten()[order], metric.double()) / counts.clamp_min(1)
+                    mass = plan_quotas(counts, ratio, allocation="metric_mass", weights=mean_metric)
+                    mass_tiled = plan_quotas(counts, ratio, allocation="metric_mass", weights=mean_metric, granule=64)
                     _, _, kept = select_retained(metric, counts, counts.clone(), seed=1, num_kept=T * k,
                                                  total=int(ratio * T * k))
                     lines.append(f"| {title} | {T} | {s:g} | {counts.max() / counts.float().mean():.2f} | {ratio:g} | "
                                  f"{padding(counts, 64):.3f} | {padding(plain, 64):.3f} / {padding(plain, 128):.3f} | "
                                  f"{padding(tiled, 64):.3f} / {padding(tiled, 128):.3f}, "
                                  f"{int(tiled.sum()) / int(plain.sum()):.4f} | "
-                                 f"{padding(kept, 64):.3f} / {padding(kept, 128):.3f} |")
+                                 f"{padding(kept, 64):.3f} / {padding(kept, 128):.3f} | "
+                                 f"{padding(mass, 64):.3f} / {padding(mass, 128):.3f} | "
+                                 f"{padding(mass_tiled, 64):.3f} / {padding(mass_tiled, 128):.3f}, "
+                                 f"{int(mass_tiled.sum()) / int(mass.sum()):.4f} |")
                     print(lines[-1], flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -120,22 +120,23 @@ def quota_weights(counts: torch.Tensor, quotas: torch.Tensor, retention_ratio: f
     return _inverse_inclusion(scaled, total, (scaled < total) & (quotas.cpu() > 0) & (floor_pairs(floor, n) == 0))
 
 
-def _mass_fill(n: torch.Tensor, budget: int, weights: torch.Tensor) -> torch.Tensor:
+def _mass_fill(n: torch.Tensor, budget: int, weights: torch.Tensor, granule: int = 1) -> torch.Tensor:
     """The "metric_mass" split: Q_e = min(n_e, n_e w_e / tau) with tau the smallest that fits ``budget`` (w_e: a
     pair's mean metric at expert e in the last backward, so each expert keeps about the share one priority-sampling
     threshold over the layer would give it), rounded down, at least 1 for every expert with pairs (so that none is
     left out of its gradient: any fixed quota >= 1 keeps it unbiased), the pairs left by the rounding to the largest
     remainders (ties: lower index), and what is still left (experts of weight 0 only) by the water-fill. n itself if it
-    is within budget; the plain water-fill where the budget has fewer pairs than experts with pairs."""
+    is within budget; the plain water-fill where the budget has fewer pairs than experts with pairs. granule g > 1:
+    the capped quotas in whole tiles (:func:`_whole_tiles`)."""
     vals = n.tolist()
     total, busy = sum(vals), sum(1 for v in vals if v > 0)
     if total <= budget:
         return n.clone()
     if budget < busy:
-        return _level(n, budget)
+        return _level(n, budget, granule)
     mass = [v * max(float(w), 0.0) for v, w in zip(vals, weights.tolist())]
     if sum(mass) <= 0:
-        return _level(n, budget)
+        return _level(n, budget, granule)
     # experts saturate (keep all n_e) in order of falling w_e; tau from the rest
     order = sorted((e for e in range(len(vals)) if vals[e] > 0), key=lambda e: -mass[e] / vals[e])
     kept_whole, rest_mass, tau = 0, sum(mass), 0.0
@@ -156,7 +157,30 @@ def _mass_fill(n: torch.Tensor, budget: int, weights: torch.Tensor) -> torch.Ten
     q = torch.tensor(q, dtype=n.dtype)
     left = budget - int(q.sum())
     # more left than one pair each: experts without weight (every metric 0 there) share it by the water-fill
-    return q + _level(n - q, left) if left > 0 else q
+    q = q + _level(n - q, left) if left > 0 else q
+    return _whole_tiles(n, q, budget, granule, exact) if granule > 1 else q
+
+
+def _whole_tiles(n: torch.Tensor, q: torch.Tensor, budget: int, granule: int, exact: list) -> torch.Tensor:
+    """"metric_mass"'s quotas in whole GEMM tiles (as :func:`_level`'s with a granule): each capped expert
+    (q_e < n_e) of at least one tile keeps floor(q_e / g) g; the pairs that frees go back, a whole tile each (or all
+    of an expert's pairs, if fewer), to the experts that lost the most of their ``exact`` share, while they fit; what
+    is still left fills the experts under one tile (whose one partial tile is paid anyway) up to a tile or their
+    n_e. Within the budget; a fixed quota >= 1 per expert with pairs, so the gradient stays unbiased."""
+    vals, q = n.tolist(), q.tolist()
+    base = [v - v % granule if granule <= v < c else v for v, c in zip(q, vals)]
+    left = budget - sum(base)
+    for e in sorted((e for e in range(len(q)) if base[e] != q[e]), key=lambda e: (-(exact[e] - base[e]), e)):
+        step = min(granule, vals[e] - base[e])
+        if step <= left:
+            base[e] += step
+            left -= step
+    under = (e for e in range(len(q)) if base[e] < min(vals[e], granule))
+    for e in sorted(under, key=lambda e: (base[e] - exact[e], e)):
+        step = min(left, min(vals[e], granule) - base[e])
+        base[e] += step
+        left -= step
+    return torch.tensor(base, dtype=n.dtype)
 
 
 ALLOCATIONS = {"waterfill": _level, "proportional": _scale, "metric_mass": _mass_fill}
@@ -164,8 +188,9 @@ ALLOCATIONS = {"waterfill": _level, "proportional": _scale, "metric_mass": _mass
 
 def quota_granule(device: torch.device) -> int:
     """Rows per tile of the backward's grouped GEMMs on ``device``: 64 on CUDA (the H200's 64-row forward/dgrad
-    tiles, the wgrad's 64-deep K step), where the water-fill then keeps whole tiles of each capped expert; 1 (any
-    count) elsewhere, where nothing is tiled. LRMOE_QUOTA_GRANULE overrides it on CUDA (1: off, for A/B timings)."""
+    tiles, the wgrad's 64-deep K step), where the water-fill and "metric_mass" keep whole tiles of each capped
+    expert; 1 (any count) elsewhere, where nothing is tiled. LRMOE_QUOTA_GRANULE overrides it on CUDA (1: off, for
+    A/B timings)."""
     return int(os.environ.get("LRMOE_QUOTA_GRANULE", "64")) if device.type == "cuda" else 1
 
 
@@ -182,11 +207,12 @@ def plan_quotas(counts: torch.Tensor, retention_ratio: float = 1.0, ep_size: int
     2. per rank, if its retained rows exceed max_rows_per_rank, or (when anything was dropped)
        balance_factor times the mean over ranks, its own experts' quotas are cut the same way;
     3. floor: Q_e >= ceil(floor * n_e), whatever the caps.
-    Ratio 1 with no budget gives Q = n (exact). granule: the water-fill's capped quotas in whole GEMM tiles
-    (:func:`_level`; the layer passes :func:`quota_granule`); "proportional" ignores it. generator: "proportional"'s
-    target rounded by sampling (:func:`_scale`, :func:`quota_weights`); its per-rank cuts under a memory cap stay in
-    the fixed order (a hard limit, where an expert rounded down to 0 stays out). weights [E]: "metric_mass"'s mean
-    metric per pair of each expert (:func:`_mass_fill`); its per-rank cuts are the water-fill's.
+    Ratio 1 with no budget gives Q = n (exact). granule: the water-fill's and "metric_mass"'s capped quotas in whole
+    GEMM tiles (:func:`_level`, :func:`_whole_tiles`; the layer passes :func:`quota_granule`); "proportional"
+    ignores it. generator: "proportional"'s target rounded by sampling (:func:`_scale`, :func:`quota_weights`); its
+    per-rank cuts under a memory cap stay in the fixed order (a hard limit, where an expert rounded down to 0 stays
+    out). weights [E]: "metric_mass"'s mean metric per pair of each expert (:func:`_mass_fill`); its per-rank cuts
+    are the water-fill's.
     """
     if allocation not in ALLOCATIONS:
         raise ValueError(f"unknown quota allocation {allocation!r}; accepted: {', '.join(ALLOCATIONS)}")
@@ -195,7 +221,7 @@ def plan_quotas(counts: torch.Tensor, retention_ratio: float = 1.0, ep_size: int
         if weights is None:
             raise ValueError('quota allocation "metric_mass" needs the experts\' weights (a pair\'s mean metric)')
         cut = _level
-    if allocation == "waterfill" and granule > 1:
+    if allocation in ("waterfill", "metric_mass") and granule > 1:
         cut = functools.partial(_level, granule=granule)
     if not 0.0 < retention_ratio <= 1.0:
         raise ValueError(f"retention_ratio must be in (0, 1], got {retention_ratio}")
@@ -203,7 +229,7 @@ def plan_quotas(counts: torch.Tensor, retention_ratio: float = 1.0, ep_size: int
     if n.numel() % ep_size:
         raise ValueError(f"{n.numel()} experts cannot be split over ep_size {ep_size}")
     target = functools.partial(_scale, generator=generator) if allocation == "proportional" and generator else \
-        functools.partial(_mass_fill, weights=weights) if allocation == "metric_mass" else cut
+        functools.partial(_mass_fill, weights=weights, granule=granule) if allocation == "metric_mass" else cut
     q = target(n, target_pairs(retention_ratio, int(n.sum())))
     per_rank = q.view(ep_size, -1)
     caps = [float("inf")] * ep_size

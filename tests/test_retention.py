@@ -112,6 +112,34 @@ def test_metric_mass_split(seed):
     assert int((same - alike).abs().max()) <= 1, (same.tolist(), alike.tolist())
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_metric_mass_split_in_whole_tiles(seed):
+    """With a granule g every quota is n_e, a multiple of g, or under one tile; the sum is within the budget and
+    within g of it where some expert under a tile could still take pairs; each quota is within a tile of the
+    untiled split's; the tiles freed go to the experts that lost the most of their share."""
+    from lrmoe_ds.quotas import _mass_fill
+    g = torch.Generator().manual_seed(100 + seed)
+    E = int(torch.randint(4, 40, (1,), generator=g))
+    n = torch.randint(0, 900, (E,), generator=g)
+    n[: E // 4] = torch.randint(0, 40, (E // 4,), generator=g)  # some experts under one tile
+    w = torch.rand(E, generator=g, dtype=torch.float64) * 3 + 0.1
+    for granule in (8, 64):
+        for budget in (int(n.sum()) // 4, int(n.sum()) // 2, int(n.sum()) * 4 // 5):
+            plain, q = _mass_fill(n, budget, w), _mass_fill(n, budget, w, granule)
+            assert torch.all(q <= n) and torch.all(q[n > 0] >= 1) and int(q.sum()) <= budget
+            assert torch.all((q == n) | (q % granule == 0) | (q < granule)), (n.tolist(), q.tolist(), granule)
+            assert torch.all((q - plain).abs() <= granule), (plain.tolist(), q.tolist())
+            room = bool(((q < torch.minimum(n, torch.tensor(granule))) & (n > 0)).any())
+            if room:
+                assert int(q.sum()) == budget or int(q.sum()) > budget - granule, (budget, int(q.sum()))
+            assert int(q.sum()) > budget - granule * E
+    n = torch.tensor([1000, 1000, 0, 10])
+    q = _mass_fill(n, 1010, torch.tensor([1.0, 1.0, 1.0, 1.0], dtype=torch.float64), 64)
+    assert q.tolist() in ([512, 448, 0, 10], [448, 512, 0, 10]) and int(q.sum()) <= 1010
+    assert torch.equal(plan_quotas(n, 0.5, allocation="metric_mass", granule=64,
+                                   weights=torch.ones(4, dtype=torch.float64)), q)
+
+
 def test_metric_mass_plans_from_the_last_backward(monkeypatch):
     """The first step plans by the water-fill; its backward sums the metric per expert, and the next step's quotas
     follow those masses (the expert with the heavier pairs keeps more of them)."""
