@@ -134,3 +134,22 @@ def test_capped_quotas_in_whole_tiles_on_cuda(monkeypatch):
     assert not torch.equal(plan_quotas(n, 0.3, granule=64), plan_quotas(n, 0.3))  # the case tests something
     capped = plan_quotas(n, 0.3, granule=64) < n
     assert capped.any() and torch.all(plan_quotas(n, 0.3, granule=64)[capped] % 64 == 0)
+
+
+def test_metric_mass_quotas_in_whole_tiles_on_cuda():
+    """"metric_mass" on CUDA: from the second step the quotas are the masses' split in whole 64-row tiles (each
+    expert all its pairs, a multiple of 64, or under one tile), and the backward keeps exactly those."""
+    from lrmoe_ds.quotas import plan_quotas
+    torch.manual_seed(0)
+    layer = lrmoe_ds.LRMoE(H, num_experts=E, k=K, ffn_hidden_size=F).cuda().bfloat16()
+    layer.configure(lrmoe_ds.LRMoEConfig(enabled=True, retention_ratio=0.3, quota_allocation="metric_mass"))
+    layer.keep_last_selection = True
+    x = torch.randn(4096, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    layer(x)[0].float().square().sum().backward()
+    weights = layer._mass_weights()
+    layer(x)[0].float().square().sum().backward()
+    q, n = layer.last_stats.quotas, layer.last_stats.counts
+    assert torch.equal(q, plan_quotas(n, 0.3, allocation="metric_mass", weights=weights, granule=64))
+    assert not torch.equal(q, plan_quotas(n, 0.3, allocation="metric_mass", weights=weights))
+    assert torch.all((q == n) | (q % 64 == 0) | (q < 64)) and bool((q < n).any())
+    assert layer.last_selection["pairs"].numel() == int(q.sum())
