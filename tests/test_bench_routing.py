@@ -54,3 +54,8 @@ def test_layer_bench_skew_and_row_variants():
     assert envs["LRMoE retention 0.5, stash, granule 1"]["LRMOE_QUOTA_GRANULE"] == "1"
     assert envs[bench_layer.ANCHOR] is None
     assert isinstance(layers[0], lrmoe_ds.LRMoE)
+    rows = bench_layer.row_specs(bench_layer.parse_args(["--ratios", "0.5", "--policies", "stash",
+                                                         "--allocations", "waterfill", "metric_mass"]))
+    blocks = {name: block for name, _, block, _ in rows}
+    assert blocks["LRMoE retention 0.5, stash, metric_mass"]["quota_allocation"] == "metric_mass"
+    assert blocks["LRMoE retention 0.5, stash"]["quota_allocation"] == "waterfill"
