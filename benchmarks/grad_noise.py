@@ -37,7 +37,7 @@ import lrmoe_ds  # noqa: E402
 import train  # noqa: E402  (the model and corpus of train.py)
 from lrmoe_ds import ops, pipeline  # noqa: E402
 from lrmoe_ds.integration import configure_model  # noqa: E402
-from lrmoe_ds.quotas import plan_quotas  # noqa: E402
+from lrmoe_ds.quotas import mass_weights, plan_quotas  # noqa: E402
 
 GROUPS = ("expert gate_up", "expert down", "router", "rest")
 
@@ -158,20 +158,6 @@ ALLOCATIONS = ("waterfill", "proportional", "one threshold per layer", "quotas f
                "quotas from the previous batch's threshold", "quotas from the previous batch's metric mass")
 
 
-def _mass_fractions(sizes, m, total):
-    """Per expert, min(1, M_e / (tau n_e)) for its metric mass M_e, tau such that the kept counts add up to
-    ``total``: the one-threshold fractions as if every pair of an expert had its mean metric (a water-fill over the
-    masses, capped by the counts: E numbers per layer, what a layer could sum on the device in its backward)."""
-    bounds = [0] + sizes.cumsum(0).tolist()
-    mass = torch.tensor([float(m[lo:hi].sum()) for lo, hi in zip(bounds, bounds[1:])], dtype=torch.float64)
-    n = sizes.double()
-    lo, hi = 1e-30, float(mass.max()) + 1.0
-    for _ in range(200):  # bisection on tau: sum_e min(n_e, M_e / tau) falls with tau
-        tau = (lo * hi) ** 0.5
-        lo, hi = (tau, hi) if float(torch.minimum(n, mass / tau).sum()) > total else (lo, tau)
-    return torch.minimum(n, mass / hi) / n.clamp_min(1)
-
-
 def _earned_fractions(sizes, m, total):
     """Per expert, the fraction of its pairs that one threshold over the layer keeps in expectation (sum of its
     inclusion probabilities over its pairs)."""
@@ -209,9 +195,10 @@ def predicted_variance_by_allocation(records, ratio, previous=None):
             fractions = _earned_fractions(p_sizes, p_m, int(plan_quotas(p_sizes, ratio).sum()))
             out["quotas from the previous batch's threshold"] += _per_expert_variance(
                 sizes, m, w, _quotas_from_fractions(sizes, fractions, total))
-            fractions = _mass_fractions(p_sizes, p_m, int(plan_quotas(p_sizes, ratio).sum()))
-            out["quotas from the previous batch's metric mass"] += _per_expert_variance(
-                sizes, m, w, _quotas_from_fractions(sizes, fractions, total))
+            # the layer's own "metric_mass" plan: this batch's counts, the previous batch's mean metric per expert
+            p_mass = torch.stack([seg.sum() for seg in p_m.split(p_sizes.tolist())])
+            planned = plan_quotas(sizes, ratio, allocation="metric_mass", weights=mass_weights(p_mass, p_sizes))
+            out["quotas from the previous batch's metric mass"] += _per_expert_variance(sizes, m, w, planned)
         else:
             out["quotas from the previous batch's threshold"] = float("nan")
             out["quotas from the previous batch's metric mass"] = float("nan")

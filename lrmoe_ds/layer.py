@@ -20,8 +20,8 @@ from lrmoe_ds.dispatcher import AllToAllDispatcher, DispatchPlan, HostCopy
 from lrmoe_ds.experts import EXPERT_TYPES, GroupedExperts
 from lrmoe_ds.placement import plan_with_replicas
 from lrmoe_ds.pipeline import ExpertWeights, RoutedMLP, WeightGrads, router_dots_from_rows, stash_keeps_rows
-from lrmoe_ds.quotas import (MemoryPlan, RetentionStats, expert_row_bytes, plan_quotas, quota_granule, rank_shares,
-                             quota_weights, share_weights, target_pairs)
+from lrmoe_ds.quotas import (MemoryPlan, RetentionStats, expert_row_bytes, mass_weights, plan_quotas, quota_granule,
+                             rank_shares, quota_weights, share_weights, target_pairs)
 from lrmoe_ds.retention import BackwardSpec
 from lrmoe_ds.router import Router
 
@@ -229,10 +229,7 @@ class LRMoE(MoE):
         last = getattr(self, "_metric_mass", None)
         if last is None:
             return None
-        mass, n = last[0].get().double().cpu(), last[1].double()
-        if float(mass.sum()) <= 0:
-            return None
-        return torch.where(n > 0, mass / n.clamp_min(1), mass.sum() / n.sum())
+        return mass_weights(last[0].get(), last[1])
 
     def _cached_row_bytes(self, spec: BackwardSpec, dtype: torch.dtype) -> dict:
         """_row_bytes, made once per config object and case (every training forward asks: ~15 us of host time)."""

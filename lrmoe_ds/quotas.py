@@ -183,6 +183,15 @@ def _whole_tiles(n: torch.Tensor, q: torch.Tensor, budget: int, granule: int, ex
     return torch.tensor(base, dtype=n.dtype)
 
 
+def mass_weights(mass: torch.Tensor, counts: torch.Tensor) -> Optional[torch.Tensor]:
+    """[E] fp64: "metric_mass"'s weights, a pair's mean metric per expert (summed metric ``mass`` over ``counts``
+    pairs, one backward's); an expert without pairs there takes the layer's mean; None where the mass is all 0."""
+    mass, n = mass.detach().double().cpu(), counts.detach().double().cpu()
+    if float(mass.sum()) <= 0:
+        return None
+    return torch.where(n > 0, mass / n.clamp_min(1), mass.sum() / n.sum())
+
+
 ALLOCATIONS = {"waterfill": _level, "proportional": _scale, "metric_mass": _mass_fill}
 
 

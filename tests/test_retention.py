@@ -158,6 +158,15 @@ def test_metric_mass_plans_from_the_last_backward(monkeypatch):
         plan_quotas(n, 0.5, allocation="metric_mass")
 
 
+def test_mass_weights_are_the_mean_metric_per_pair():
+    """metric_mass's weights: an expert's summed metric over its pairs; an expert without pairs takes the layer's mean
+    pair (so a cold expert is neither starved nor favoured when its pairs come back); none where the mass is all 0."""
+    from lrmoe_ds.quotas import mass_weights
+    w = mass_weights(torch.tensor([2.0, 0.0, 3.0, 1.0]), torch.tensor([4, 0, 1, 5]))
+    assert w.dtype == torch.float64 and w.tolist() == [0.5, 0.6, 3.0, 0.2]
+    assert mass_weights(torch.zeros(3), torch.tensor([1, 2, 3])) is None
+
+
 def test_quota_granule_by_device(monkeypatch):
     """Whole tiles only where the GEMMs tile (CUDA); the environment overrides it there."""
     from lrmoe_ds.quotas import quota_granule
