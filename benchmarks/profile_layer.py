@@ -8,6 +8,8 @@ host operators that ran during them (what the host was doing while the GPU waite
     python3 benchmarks/profile_layer.py --shape qwen3-30b-a3b --tokens 8192 --policies stash recompute \
         --trace /tmp/traces     # also keep each layer's Chrome trace (.json.gz) for chrome://tracing
     python3 benchmarks/profile_layer.py --dropped_router_dots saved recomputed   # the two router-dot routes
+    python3 benchmarks/profile_layer.py --shape qwen3-30b-a3b --tokens 8192 --skew 0.2 \
+        --allocations waterfill metric_mass                                     # two quota splits, skewed routing
 """
 import argparse
 import gzip
@@ -19,7 +21,7 @@ import tempfile
 import time
 
 import torch
-from bench_layer import SHAPES, build, init_one_process, to_device_flat
+from bench_layer import SHAPES, build, init_one_process, skew_routing, to_device_flat
 from torch.profiler import ProfilerActivity, profile
 
 import lrmoe_ds
@@ -106,6 +108,9 @@ def main():
     p.add_argument("--policies", nargs="+", choices=["stash", "recompute"], default=["stash"])
     p.add_argument("--dropped_router_dots", nargs="+", choices=["saved", "recomputed"], default=["saved"],
                    help="each with every policy (recomputed under stash alone: recompute saves no outputs anyway)")
+    p.add_argument("--allocations", nargs="+", choices=["waterfill", "proportional", "threshold", "metric_mass"],
+                   default=["waterfill"], help="quota_allocation of the retention cases (each with every policy)")
+    p.add_argument("--skew", type=float, default=0.0, help="routing skew, as bench_layer.py's --skew")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rows", type=int, default=25, help="kernels and operators listed per layer")
     p.add_argument("--trace", default=None, help="directory to keep each layer's Chrome trace in")
@@ -116,15 +121,19 @@ def main():
     x = torch.randn(args.tokens, H, device="cuda", dtype=torch.bfloat16)
     grad = torch.randn_like(x)
     cases = [("anchor", "anchor", None), ("LRMoE exact", "lrmoe", {})]
-    cases += [(f"LRMoE retention {args.ratio:g}, {policy}" + ("" if dots == "saved" else ", dropped dots recomputed"),
-               "lrmoe", {"enabled": True, "retention_ratio": args.ratio, "policy": policy, "dropped_router_dots": dots})
-              for dots in args.dropped_router_dots for policy in args.policies
+    cases += [(f"LRMoE retention {args.ratio:g}, {policy}" + ("" if dots == "saved" else ", dropped dots recomputed")
+               + ("" if allocation == "waterfill" else f", {allocation}"),
+               "lrmoe", {"enabled": True, "retention_ratio": args.ratio, "policy": policy, "dropped_router_dots": dots,
+                         "quota_allocation": allocation})
+              for allocation in args.allocations for dots in args.dropped_router_dots for policy in args.policies
               if dots == "saved" or policy == "stash"]
     tmp = tempfile.mkdtemp()
     per_case = []
     for name, kind, block in cases:
         torch.manual_seed(0)
         layer = to_device_flat(build(kind, H, Fh, E, k).to(torch.bfloat16), "cuda")
+        if args.skew:  # the same offsets for every case (x's feature 0 set to 1 by the first)
+            skew_routing([layer], x, args.skew)
         if block is not None:
             layer.configure(lrmoe_ds.LRMoEConfig(**block))
 
