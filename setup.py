@@ -26,7 +26,7 @@ setup(
     python_requires=">=3.10",
     # torch is not listed on purpose: a bare requirement can pull a multi-GB CUDA build; install the
     # torch you want first (README).
-    install_requires=["deepspeed==0.19.8", "pydantic>=2", "tqdm", "ninja"],
+    install_requires=["deepspeed==0.19.8", "numpy", "pydantic>=2", "tqdm", "ninja"],
     extras_require={"test": ["pytest>=8", "transformers>=5"], "bench": ["matplotlib"], "hf": ["transformers>=5"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,

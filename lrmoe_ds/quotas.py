@@ -11,6 +11,7 @@ from fractions import Fraction
 from dataclasses import dataclass
 from typing import Literal, Optional, Tuple
 
+import numpy as np
 import torch
 
 from lrmoe_ds.dispatcher import HostCopy
@@ -127,60 +128,73 @@ def _mass_fill(n: torch.Tensor, budget: int, weights: torch.Tensor, granule: int
     left out of its gradient: any fixed quota >= 1 keeps it unbiased), the pairs left by the rounding to the largest
     remainders (ties: lower index), and what is still left (experts of weight 0 only) by the water-fill. n itself if it
     is within budget; the plain water-fill where the budget has fewer pairs than experts with pairs. granule g > 1:
-    the capped quotas in whole tiles (:func:`_whole_tiles`)."""
-    vals = n.tolist()
-    total, busy = sum(vals), sum(1 for v in vals if v > 0)
+    the capped quotas in whole tiles (:func:`_whole_tiles`). In numpy: it runs in every training forward."""
+    nv = n.detach().cpu().numpy().astype(np.int64)
+    total, busy = int(nv.sum()), int(np.count_nonzero(nv))
     if total <= budget:
         return n.clone()
     if budget < busy:
         return _level(n, budget, granule)
-    mass = [v * max(float(w), 0.0) for v, w in zip(vals, weights.tolist())]
-    if sum(mass) <= 0:
+    mass = nv * np.maximum(weights.detach().double().cpu().numpy(), 0.0)
+    if not (mass > 0).any():
         return _level(n, budget, granule)
-    # experts saturate (keep all n_e) in order of falling w_e; tau from the rest
-    order = sorted((e for e in range(len(vals)) if vals[e] > 0), key=lambda e: -mass[e] / vals[e])
-    kept_whole, rest_mass, tau = 0, sum(mass), 0.0
-    for e in order:  # total > budget: some expert is left unsaturated, so tau is set there (0: only weightless left)
-        tau = max(rest_mass, 0.0) / (budget - kept_whole)
-        if mass[e] / vals[e] <= tau:
+    # experts saturate (keep all n_e) in order of falling w_e; tau from the rest (a short loop: it stops at the first
+    # expert left unsaturated, which exists as total > budget; tau 0: only weightless experts left)
+    with_pairs = np.flatnonzero(nv > 0)
+    vals, masses = nv.tolist(), mass.tolist()
+    kept_whole, rest_mass, tau = 0, sum(masses), 0.0
+    for e in with_pairs[np.argsort(-(mass[with_pairs] / nv[with_pairs]), kind="stable")].tolist():
+        # rest_mass >= masses[e] but for rounding, which could otherwise saturate e past the budget (and divide by 0
+        # next) where the experts of nonzero weight hold exactly the budget
+        tau = max(rest_mass, masses[e]) / (budget - kept_whole)
+        if masses[e] / vals[e] <= tau:
             break
         kept_whole += vals[e]
-        rest_mass -= mass[e]
-    exact = [float(v) if v and m / v > tau else (m / tau if tau > 0 else 0.0) for v, m in zip(vals, mass)]
-    q = [min(v, max(1, math.floor(x))) if v > 0 else 0 for v, x in zip(vals, exact)]
-    while sum(q) > budget:  # the minimum of 1 overshot: take back from the largest quotas
-        e = max(range(len(q)), key=lambda i: (q[i], -i))
-        q[e] -= 1
-    rest = sorted((e for e in range(len(q)) if q[e] < vals[e]), key=lambda e: (-(exact[e] - math.floor(exact[e])), e))
-    for e in rest[:max(0, budget - sum(q))]:
-        q[e] += 1
-    q = torch.tensor(q, dtype=n.dtype)
+        rest_mass -= masses[e]
+    saturated = (nv > 0) & (mass / np.maximum(nv, 1) > tau)
+    exact = np.where(saturated, nv.astype(np.float64), mass / tau if tau > 0 else 0.0)
+    q = np.where(nv > 0, np.minimum(nv, np.maximum(1, np.floor(exact).astype(np.int64))), 0)
+    for _ in range(int(q.sum()) - budget):  # the minimum of 1 overshot: take back from the largest (ties: lower index)
+        q[np.argmax(q)] -= 1
+    short = np.flatnonzero(q < nv)
+    rest = short[np.argsort(-(exact - np.floor(exact))[short], kind="stable")]  # largest remainders, ties: lower index
+    q[rest[:max(0, budget - int(q.sum()))]] += 1
+    q = torch.from_numpy(q).to(n.dtype)
     left = budget - int(q.sum())
     # more left than one pair each: experts without weight (every metric 0 there) share it by the water-fill
     q = q + _level(n - q, left) if left > 0 else q
     return _whole_tiles(n, q, budget, granule, exact) if granule > 1 else q
 
 
-def _whole_tiles(n: torch.Tensor, q: torch.Tensor, budget: int, granule: int, exact: list) -> torch.Tensor:
+def _whole_tiles(n: torch.Tensor, q: torch.Tensor, budget: int, granule: int, exact: np.ndarray) -> torch.Tensor:
     """"metric_mass"'s quotas in whole GEMM tiles (as :func:`_level`'s with a granule): each capped expert
     (q_e < n_e) of at least one tile keeps floor(q_e / g) g; the pairs that frees go back, a whole tile each (or all
     of an expert's pairs, if fewer), to the experts that lost the most of their ``exact`` share, while they fit; what
     is still left fills the experts under one tile (whose one partial tile is paid anyway) up to a tile or their
     n_e. Within the budget; a fixed quota >= 1 per expert with pairs, so the gradient stays unbiased."""
-    vals, q = n.tolist(), q.tolist()
-    base = [v - v % granule if granule <= v < c else v for v, c in zip(q, vals)]
-    left = budget - sum(base)
-    for e in sorted((e for e in range(len(q)) if base[e] != q[e]), key=lambda e: (-(exact[e] - base[e]), e)):
-        step = min(granule, vals[e] - base[e])
-        if step <= left:
-            base[e] += step
-            left -= step
-    under = (e for e in range(len(q)) if base[e] < min(vals[e], granule))
-    for e in sorted(under, key=lambda e: (base[e] - exact[e], e)):
-        step = min(left, min(vals[e], granule) - base[e])
-        base[e] += step
-        left -= step
-    return torch.tensor(base, dtype=n.dtype)
+    nv, qv = n.numpy().astype(np.int64), q.numpy().astype(np.int64)
+    base = np.where((qv >= granule) & (qv < nv), qv - qv % granule, qv)
+    left = budget - int(base.sum())
+    cut = np.flatnonzero(base != qv)
+    cut = cut[np.argsort(-(exact - base)[cut], kind="stable")]  # most lost first, ties: lower index
+    step = np.minimum(granule, nv[cut] - base[cut])
+    # each in turn takes its step where it still fits: the leading run that fits at once, then (the rest being
+    # over what is left, which is under a tile) only the partial steps of experts near their n_e can
+    fits = int(np.searchsorted(np.cumsum(step), left, side="right"))
+    base[cut[:fits]] += step[:fits]
+    left -= int(step[:fits].sum())
+    for e, s in zip(cut[fits:].tolist(), step[fits:].tolist()):
+        if s <= left:
+            base[e] += s
+            left -= s
+    under = np.flatnonzero(base < np.minimum(nv, granule))
+    for e in under[np.argsort((base - exact)[under], kind="stable")].tolist():
+        if left <= 0:
+            break
+        s = min(left, min(int(nv[e]), granule) - int(base[e]))
+        base[e] += s
+        left -= s
+    return torch.from_numpy(base).to(n.dtype)
 
 
 def mass_weights(mass: torch.Tensor, counts: torch.Tensor) -> Optional[torch.Tensor]:

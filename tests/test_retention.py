@@ -112,6 +112,20 @@ def test_metric_mass_split(seed):
     assert int((same - alike).abs().max()) <= 1, (same.tolist(), alike.tolist())
 
 
+@pytest.mark.parametrize("n, w, budget, expected", [
+    ([1, 3, 1, 2, 1], [0.2, 0.2, 0.3, 0.1, 0.0], 7, [1, 2, 1, 2, 1]),
+    ([4, 1, 1, 4, 3], [0.2, 0.3, 0.0, 0.3, 0.1], 12, [3, 1, 1, 4, 3]),
+    ([1, 1, 3, 4, 1], [0.2, 0.1, 0.7, 0.2, 0.0], 9, [1, 1, 3, 3, 1]),
+])
+def test_metric_mass_split_where_weighted_experts_hold_the_budget(n, w, budget, expected):
+    """The experts of nonzero weight hold exactly the budget (their masses' rounding once let the last of them
+    saturate past it, and the next step divided by 0): each keeps its pairs but for the pair that every weightless
+    expert with pairs gets, taken back from the largest quota (ties: lower index)."""
+    from lrmoe_ds.quotas import _mass_fill
+    q = _mass_fill(torch.tensor(n), budget, torch.tensor(w, dtype=torch.float64))
+    assert q.tolist() == expected
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_metric_mass_split_in_whole_tiles(seed):
     """With a granule g every quota is n_e, a multiple of g, or under one tile; the sum is within the budget and
