@@ -164,6 +164,8 @@ def main():
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--ratio", type=float, default=0.5)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--allocations", nargs="+", choices=["waterfill", "proportional", "threshold", "metric_mass"],
+                   default=["waterfill"], help="quota_allocation of the retention rows, one row each")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     init_one_process()
@@ -173,11 +175,13 @@ def main():
     grad = torch.randn_like(x)
     lines = [f"# Host time of one MoE layer, {torch.cuda.get_device_name()}", "",
              f"Command: `python3 benchmarks/host_time.py --shape {args.shape} --tokens {args.tokens} --ratio "
-             f"{args.ratio:g}`", "", f"{title}, {args.tokens} tokens, bf16, torch {torch.__version__}. Host ms "
+             f"{args.ratio:g}" + ("" if args.allocations == ["waterfill"] else " --allocations " + " ".join(args.allocations))
+             + "`", "", f"{title}, {args.tokens} tokens, bf16, torch {torch.__version__}. Host ms "
              f"per phase: median over {args.reps} steps, from a synchronised start to the Python call's return.", "",
              "| layer | forward host ms | backward host ms | sum |", "| --- | --- | --- | --- |"]
-    rows = [("grouped_mm dropless (anchor)", "anchor", None), ("LRMoE exact (enabled false)", "lrmoe", {}),
-            (f"LRMoE retention {args.ratio:g}, stash", "lrmoe", {"enabled": True, "retention_ratio": args.ratio})]
+    rows = [("grouped_mm dropless (anchor)", "anchor", None), ("LRMoE exact (enabled false)", "lrmoe", {})]
+    rows += [(f"LRMoE retention {args.ratio:g}, stash" + ("" if alloc == "waterfill" else f", {alloc}"), "lrmoe",
+              {"enabled": True, "retention_ratio": args.ratio, "quota_allocation": alloc}) for alloc in args.allocations]
     profiles = []
     for name, kind, block in rows:
         torch.manual_seed(0)
