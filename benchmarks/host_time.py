@@ -175,13 +175,14 @@ def main():
     grad = torch.randn_like(x)
     lines = [f"# Host time of one MoE layer, {torch.cuda.get_device_name()}", "",
              f"Command: `python3 benchmarks/host_time.py --shape {args.shape} --tokens {args.tokens} --ratio "
-             f"{args.ratio:g}" + ("" if args.allocations == ["waterfill"] else " --allocations " + " ".join(args.allocations))
-             + "`", "", f"{title}, {args.tokens} tokens, bf16, torch {torch.__version__}. Host ms "
+             f"{args.ratio:g}"
+             + ("" if args.allocations == ["waterfill"] else " --allocations " + " ".join(args.allocations)) + "`", "", f"{title}, {args.tokens} tokens, bf16, torch {torch.__version__}. Host ms "
              f"per phase: median over {args.reps} steps, from a synchronised start to the Python call's return.", "",
              "| layer | forward host ms | backward host ms | sum |", "| --- | --- | --- | --- |"]
     rows = [("grouped_mm dropless (anchor)", "anchor", None), ("LRMoE exact (enabled false)", "lrmoe", {})]
     rows += [(f"LRMoE retention {args.ratio:g}, stash" + ("" if alloc == "waterfill" else f", {alloc}"), "lrmoe",
-              {"enabled": True, "retention_ratio": args.ratio, "quota_allocation": alloc}) for alloc in args.allocations]
+              {"enabled": True, "retention_ratio": args.ratio, "quota_allocation": alloc})
+             for alloc in args.allocations]
     profiles = []
     for name, kind, block in rows:
         torch.manual_seed(0)
