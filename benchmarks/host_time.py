@@ -176,7 +176,8 @@ def main():
     lines = [f"# Host time of one MoE layer, {torch.cuda.get_device_name()}", "",
              f"Command: `python3 benchmarks/host_time.py --shape {args.shape} --tokens {args.tokens} --ratio "
              f"{args.ratio:g}"
-             + ("" if args.allocations == ["waterfill"] else " --allocations " + " ".join(args.allocations)) + "`", "", f"{title}, {args.tokens} tokens, bf16, torch {torch.__version__}. Host ms "
+             + ("" if args.allocations == ["waterfill"] else " --allocations " + " ".join(args.allocations)) + "`",
+             "", f"{title}, {args.tokens} tokens, bf16, torch {torch.__version__}. Host ms "
              f"per phase: median over {args.reps} steps, from a synchronised start to the Python call's return.", "",
              "| layer | forward host ms | backward host ms | sum |", "| --- | --- | --- | --- |"]
     rows = [("grouped_mm dropless (anchor)", "anchor", None), ("LRMoE exact (enabled false)", "lrmoe", {})]
