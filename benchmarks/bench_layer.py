@@ -20,6 +20,7 @@ import os
 import shlex
 import socket
 import sys
+import typing
 
 import deepspeed
 import torch
@@ -30,6 +31,9 @@ from torch import nn
 import lrmoe_ds
 from lrmoe_ds import ops
 from lrmoe_ds.ops import cuda
+
+# the config's quota_allocation values (--allocations of this script, profile_layer.py and host_time.py)
+ALLOCATIONS = typing.get_args(lrmoe_ds.LRMoEConfig.model_fields["quota_allocation"].annotation)
 
 SHAPES = {  # --shapes name: (title, hidden, expert ffn (SwiGLU), experts, top-k)
     "qwen3-30b-a3b": ("Qwen3-30B-A3B", 2048, 768, 128, 8),
@@ -73,7 +77,7 @@ def parse_args(argv=None):
     p.add_argument("--policies", nargs="+", choices=["stash", "recompute", "auto"], default=["stash", "recompute"])
     p.add_argument("--router_grad", choices=["exact", "retained"], default="exact")
     p.add_argument("--metric", choices=["grad_norm", "gate", "uniform"], default="grad_norm")
-    p.add_argument("--allocations", nargs="+", choices=["waterfill", "proportional", "threshold", "metric_mass"],
+    p.add_argument("--allocations", nargs="+", choices=ALLOCATIONS,
                    default=["waterfill"], help="quota_allocation of the enabled rows (each with every ratio)")
     p.add_argument("--dropped_router_dots", nargs="+", choices=["saved", "recomputed"], default=["saved"],
                    help="dropped_router_dots of the enabled rows (each with every ratio)")

@@ -24,7 +24,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from bench_layer import SHAPES, build, init_one_process, to_device_flat
+from bench_layer import ALLOCATIONS, SHAPES, build, init_one_process, to_device_flat
 
 import lrmoe_ds
 from lrmoe_ds import ops
@@ -164,7 +164,7 @@ def main():
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--ratio", type=float, default=0.5)
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--allocations", nargs="+", choices=["waterfill", "proportional", "threshold", "metric_mass"],
+    p.add_argument("--allocations", nargs="+", choices=ALLOCATIONS,
                    default=["waterfill"], help="quota_allocation of the retention rows, one row each")
     p.add_argument("--out", default=None)
     args = p.parse_args()

@@ -21,7 +21,7 @@ import tempfile
 import time
 
 import torch
-from bench_layer import SHAPES, build, init_one_process, skew_routing, to_device_flat
+from bench_layer import ALLOCATIONS, SHAPES, build, init_one_process, skew_routing, to_device_flat
 from torch.profiler import ProfilerActivity, profile
 
 import lrmoe_ds
@@ -108,7 +108,7 @@ def main():
     p.add_argument("--policies", nargs="+", choices=["stash", "recompute"], default=["stash"])
     p.add_argument("--dropped_router_dots", nargs="+", choices=["saved", "recomputed"], default=["saved"],
                    help="each with every policy (recomputed under stash alone: recompute saves no outputs anyway)")
-    p.add_argument("--allocations", nargs="+", choices=["waterfill", "proportional", "threshold", "metric_mass"],
+    p.add_argument("--allocations", nargs="+", choices=ALLOCATIONS,
                    default=["waterfill"], help="quota_allocation of the retention cases (each with every policy)")
     p.add_argument("--skew", type=float, default=0.0, help="routing skew, as bench_layer.py's --skew")
     p.add_argument("--steps", type=int, default=3)
