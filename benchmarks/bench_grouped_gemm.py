@@ -1,7 +1,8 @@
 """Segmented GEMM (forward, dgrad, wgrad) of lrmoe_ds against torch._grouped_mm and a per-expert
 cuBLAS loop, at the Qwen3-30B-A3B and GLM-4.5-Air expert shapes, 8k and 16k tokens, uniform and
 skewed (Zipf-like, hottest expert first) routing; `--routing ...,zipf_shuffled` adds the same skew with the hot
-experts at random places. Median of CUDA-event timings; bf16; TFLOP/s = 2 M N K / time.
+experts at random places, `skew0.2` bench_layer.py --skew 0.2's routing, and a suffix `>metric_mass@0.5` the
+rows a backward keeps at retention 0.5 (see routed_sizes). Median of CUDA-event timings; bf16; TFLOP/s = 2 M N K / time.
 
     python3 benchmarks/bench_grouped_gemm.py [--out benchmarks/results/grouped_gemm_h200.md]
 
@@ -10,6 +11,7 @@ time / our time (>= 1: at least as fast as torch._grouped_mm).
 """
 import argparse
 import os
+import re
 import sys
 
 import torch
@@ -21,25 +23,30 @@ from timing import median_ms, median_ms_interleaved
 SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "glm-4.5-air": (4096, 1408, 128, 8)}
 
 
-# Variants by name (variant_env: "cfg-rz" sets LRMOE_GEMM_CONFIG, _RASTER and _SWIZZLE; "+rows" LRMOE_GEMM_ORDER);
+# Variants by name (variant_env: "cfg-rz" sets LRMOE_GEMM_CONFIG, _RASTER and _SWIZZLE; "+rows" or "+spread"
+# LRMOE_GEMM_ORDER);
 # the first is the default (see gemm.cu): "coop" runs the cooperative 128x256x64 kernel in every pass,
 # "pingpong" it for forward and dgrad only (wgrad ping-pong 128x128x64); "m64" ping-pong 64x256x64 for forward
 # and dgrad, 128x128x64 for wgrad. "auto" is m64 or coop by the device's memory bandwidth. "default" sets
 # none of them (auto, and the tile order by pass: along M for forward and dgrad, along N with swizzle 2 for wgrad).
 GEMM_VARS = ("LRMOE_GEMM_CONFIG", "LRMOE_GEMM_RASTER", "LRMOE_GEMM_SWIZZLE", "LRMOE_GEMM_ORDER")
 VARIANTS = ["default", "coop-m1", "coop-n2", "pingpong-m1", "m64-m1", "m64-n2"]
+ORDERS = ("rows", "spread")  # LRMOE_GEMM_ORDER's values besides the default "index"
 
 
 def variant_env(name):
-    """The variables a variant sets: "cfg-rz" sets the kernels, raster and swizzle; a "+rows" suffix (or "rows"
-    alone, the default kernels) lists the grouped problems by their rows, most first; "default" sets none."""
-    name, by_rows = (name[:-len("+rows")], True) if name.endswith("+rows") else (name, name == "rows")
+    """The variables a variant sets: "cfg-rz" sets the kernels, raster and swizzle; a "+rows" or "+spread" suffix
+    (or "rows" or "spread" alone, the default kernels) sets LRMOE_GEMM_ORDER: the grouped problems by their rows,
+    most first, or largest and smallest alternating; "default" sets none."""
+    order = next((o for o in ORDERS if name == o or name.endswith("+" + o)), None)
+    if order:
+        name = "default" if name == order else name[:-len("+" + order)]
     env = {}
-    if name not in ("default", "rows"):
+    if name != "default":
         cfg, tiles = name.rsplit("-", 1)
         env = {"LRMOE_GEMM_CONFIG": cfg, "LRMOE_GEMM_RASTER": tiles[0], "LRMOE_GEMM_SWIZZLE": tiles[1:]}
-    if by_rows:
-        env["LRMOE_GEMM_ORDER"] = "rows"
+    if order:
+        env["LRMOE_GEMM_ORDER"] = order
     return env
 
 
@@ -69,20 +76,41 @@ def clear_variant():
         os.environ.pop(var, None)
 
 
+LAYER_LOGIT_STD = 0.577  # bench_layer.py's router logits: N(0, 1) inputs on nn.Linear's U(+-1/sqrt(H)) init
+
+
 def routed_sizes(T, k, E, skew, gen):
     """Rows per expert of T tokens routed top-k over E experts. "zipf": expert i gets a share ~ 1/(i+1), so the
     groups come hottest first; "zipf_shuffled": the same shares over the experts in a random order, as a trained
-    router's hot experts fall (the persistent GEMM scheduler hands out tiles in group order, so the two differ)."""
-    if skew not in ("uniform", "zipf", "zipf_shuffled"):
-        raise ValueError(f"routing must be uniform, zipf or zipf_shuffled, not {skew!r}")
-    if skew == "uniform":
-        p = torch.ones(E, dtype=torch.float64)
+    router's hot experts fall (the persistent GEMM scheduler hands out tiles in group order, so the two differ);
+    "skew<s>": bench_layer.py --skew s's routing (a top-k of Gaussian logits, std LAYER_LOGIT_STD, offset by
+    -s ln(rank_e) at shuffled ranks: at s = 0.2 the hottest expert has 6.2x the mean, as the layer printed).
+    A suffix ">ALLOCATION@RATIO" (e.g. "skew0.2>metric_mass@0.5") gives the rows one backward keeps instead:
+    lrmoe_ds.quotas.plan_quotas of those counts with that allocation (metric_mass: equal weights), granule 64 as
+    on CUDA, one rank."""
+    skew, _, retained = skew.partition(">")
+    if re.fullmatch(r"skew\d+(\.\d*)?", skew):
+        s = float(skew[len("skew"):])
+        rank = torch.randperm(E, generator=gen) + 1
+        logits = LAYER_LOGIT_STD * torch.randn(T, E, generator=gen, dtype=torch.float64) - s * torch.log(rank.double())
+        sizes = torch.bincount(logits.topk(k, -1).indices.flatten(), minlength=E)
+    elif skew not in ("uniform", "zipf", "zipf_shuffled"):
+        raise ValueError(f"routing must be uniform, zipf, zipf_shuffled or skew<s>, not {skew!r}")
     else:
-        p = 1.0 / torch.arange(1, E + 1, dtype=torch.float64)
-        if skew == "zipf_shuffled":
-            p = p[torch.randperm(E, generator=gen)]
-    draws = torch.multinomial(p, T * k, replacement=True, generator=gen)
-    return torch.bincount(draws, minlength=E)
+        if skew == "uniform":
+            p = torch.ones(E, dtype=torch.float64)
+        else:
+            p = 1.0 / torch.arange(1, E + 1, dtype=torch.float64)
+            if skew == "zipf_shuffled":
+                p = p[torch.randperm(E, generator=gen)]
+        draws = torch.multinomial(p, T * k, replacement=True, generator=gen)
+        sizes = torch.bincount(draws, minlength=E)
+    if not retained:
+        return sizes
+    from lrmoe_ds.quotas import plan_quotas
+    allocation, _, ratio = retained.partition("@")
+    return plan_quotas(sizes, float(ratio), allocation=allocation, granule=64,
+                       weights=torch.ones(E, dtype=torch.float64))
 
 
 def rel(a, b):
@@ -211,7 +239,9 @@ def main():
     p.add_argument("--out", default=None)
     p.add_argument("--tokens", default="8192,16384")
     p.add_argument("--shapes", default=",".join(SHAPES))
-    p.add_argument("--routing", default="uniform,zipf", help="comma-separated: uniform, zipf, zipf_shuffled")
+    p.add_argument("--routing", default="uniform,zipf",
+                   help="comma-separated: uniform, zipf, zipf_shuffled, skew<s>; a suffix >ALLOCATION@RATIO: "
+                   "the rows one backward keeps (e.g. skew0.2>metric_mass@0.5)")
     p.add_argument("--no_variants", action="store_true", help="time the default scheduler only")
     p.add_argument("--variants", default=None,
                    help="kernel-scheduler variants to time, e.g. pingpong-n2,coop-m1 (default: " +

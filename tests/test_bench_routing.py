@@ -24,8 +24,25 @@ def test_zipf_comes_hottest_first_and_shuffled_does_not():
 
 
 def test_unknown_routing_is_an_error():
-    with pytest.raises(ValueError, match="routing must be uniform, zipf or zipf_shuffled"):
+    with pytest.raises(ValueError, match="routing must be uniform, zipf, zipf_shuffled or skew<s>"):
         sizes("skewed")
+
+
+def test_layer_skew_and_retained_rows():
+    """skew0.2: bench_layer.py --skew 0.2's loads (the layer printed max / mean 6.2, min / mean 0.37-0.39);
+    ">ALLOCATION@RATIO": the quotas the library plans for those counts, so the water-fill flattens the hot
+    experts and metric_mass (equal weights) keeps about half of each."""
+    routed = sizes("skew0.2")
+    assert int(routed.sum()) == 8192 * 8 and int(routed.argmax()) != 0
+    assert 5.5 < routed.max() / routed.float().mean() < 7.0 and 0.3 < routed.min() / routed.float().mean() < 0.45
+    water, mass = sizes("skew0.2>waterfill@0.5"), sizes("skew0.2>metric_mass@0.5")
+    assert int(water.sum()) <= 8192 * 4 and int(mass.sum()) <= 8192 * 4 and int(water.sum()) > 8192 * 4 - 64
+    assert bool((water <= routed).all()) and bool((mass <= routed).all())
+    assert int(water.max()) == 320 and int(mass.max()) > 4 * int(water.max())
+    assert torch.equal(mass, bench_grouped_gemm.routed_sizes(8192, 8, 128, "skew0.2>metric_mass@0.5",
+                                                             torch.Generator().manual_seed(0)))
+    with pytest.raises(ValueError, match="unknown quota allocation"):
+        sizes("skew0.2>topk@0.5")
 
 
 def test_layer_bench_skew_and_row_variants():
