@@ -23,21 +23,19 @@ from timing import median_ms, median_ms_interleaved
 SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "glm-4.5-air": (4096, 1408, 128, 8)}
 
 
-# Variants by name (variant_env: "cfg-rz" sets LRMOE_GEMM_CONFIG, _RASTER and _SWIZZLE; "+rows" or "+spread"
-# LRMOE_GEMM_ORDER);
+# Variants by name (variant_env: "cfg-rz" sets LRMOE_GEMM_CONFIG, _RASTER and _SWIZZLE; "+rows" LRMOE_GEMM_ORDER);
 # the first is the default (see gemm.cu): "coop" runs the cooperative 128x256x64 kernel in every pass,
 # "pingpong" it for forward and dgrad only (wgrad ping-pong 128x128x64); "m64" ping-pong 64x256x64 for forward
 # and dgrad, 128x128x64 for wgrad. "auto" is m64 or coop by the device's memory bandwidth. "default" sets
 # none of them (auto, and the tile order by pass: along M for forward and dgrad, along N with swizzle 2 for wgrad).
 GEMM_VARS = ("LRMOE_GEMM_CONFIG", "LRMOE_GEMM_RASTER", "LRMOE_GEMM_SWIZZLE", "LRMOE_GEMM_ORDER")
 VARIANTS = ["default", "coop-m1", "coop-n2", "pingpong-m1", "m64-m1", "m64-n2"]
-ORDERS = ("rows", "spread")  # LRMOE_GEMM_ORDER's values besides the default "index"
+ORDERS = ("rows",)  # LRMOE_GEMM_ORDER's values besides the default "index"
 
 
 def variant_env(name):
-    """The variables a variant sets: "cfg-rz" sets the kernels, raster and swizzle; a "+rows" or "+spread" suffix
-    (or "rows" or "spread" alone, the default kernels) sets LRMOE_GEMM_ORDER: the grouped problems by their rows,
-    most first, or largest and smallest alternating; "default" sets none."""
+    """The variables a variant sets: "cfg-rz" sets the kernels, raster and swizzle; a "+rows" suffix (or "rows" alone,
+    the default kernels) sets LRMOE_GEMM_ORDER: the grouped problems by their rows, most first; "default" sets none."""
     order = next((o for o in ORDERS if name == o or name.endswith("+" + o)), None)
     if order:
         name = "default" if name == order else name[:-len("+" + order)]

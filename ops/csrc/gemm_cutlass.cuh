@@ -61,14 +61,12 @@ using PingpongEpi = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 
 // One block of kPtrChunk threads per chunk of groups; thread i sets up group g0 + i. Its first row is
 // the sum of the sizes before it: those of earlier chunks (a block reduction) plus a block scan here.
-// The persistent scheduler hands out tiles in problem order, tile i to CTA i mod grid. order 1 lists the
+// The persistent scheduler hands out tiles in problem order, tile i to CTA i mod grid. by_rows lists the
 // problems by their rows, most first (ties by group index): a wgrad tile's length is its group's rows, so a
-// hot expert's long tiles then start first instead of wherever its index falls. order 2 alternates the
-// largest and smallest left (largest, smallest, 2nd largest, ...): a small group's tiles each read a weight
-// panel few rows share (memory-bound), a large one's are compute-bound, and alternating mixes the two.
+// hot expert's long tiles then start first instead of wherever its index falls.
 template <class Cfg>
 __global__ void __launch_bounds__(kPtrChunk) setup_kernel(
-    GemmPass pass, int64_t M, int64_t N, int64_t K, int64_t G, int64_t g0, int64_t count, int order, PtrChunk ptrs,
+    GemmPass pass, int64_t M, int64_t N, int64_t K, int64_t G, int64_t g0, int64_t count, bool by_rows, PtrChunk ptrs,
     const int64_t* __restrict__ sizes, const Element* a, const Element* b, Element* out,
     ProblemShape::UnderlyingProblemShape* problems, const Element** pa, const Element** pb, const Element** pc,
     Element** pd, typename Cfg::StrideA* sa, typename Cfg::StrideB* sb, typename Cfg::StrideD* sd,
@@ -91,10 +89,9 @@ __global__ void __launch_bounds__(kPtrChunk) setup_kernel(
   const int64_t m = max(int64_t(0), min(sizes[own], M - off));  // rows past M are never touched
   Element* group = static_cast<Element*>(const_cast<void*>(ptrs.p[i]));
   int64_t g = own;  // the problem's place in the list
-  if (order != 0) {
-    g = 0;  // its rank by rows, most first
+  if (by_rows) {
+    g = 0;
     for (int64_t j = 0; j < G; ++j) g += sizes[j] > sizes[own] || (sizes[j] == sizes[own] && j < own);
-    if (order == 2) g = g < (G + 1) / 2 ? 2 * g : 2 * (G - 1 - g) + 1;  // largest, smallest, 2nd largest, ...
   }
   if (pass == GemmPass::kFwd) {
     problems[g] = make_shape(int(m), int(N), int(K));
@@ -178,15 +175,14 @@ size_t run(GemmPass pass, int64_t M, int64_t N, int64_t K, int64_t G, const void
   const bool wgrad = pass == GemmPass::kWgrad;
   const std::string raster = env_or("LRMOE_GEMM_RASTER", wgrad ? "n" : "m");
   const std::string swizzle = env_or("LRMOE_GEMM_SWIZZLE", wgrad ? "2" : "1");
-  // LRMOE_GEMM_ORDER=index|rows|spread: the problems in group order (the default), by their rows, most first
+  // LRMOE_GEMM_ORDER=index|rows: the problems in group order (the default) or by their rows, most first
   // (setup_kernel). Its wgrad on an H100 (grouped_gemm_wgrad_rows_h100.md): faster where a hot expert sits
   // late in the list at 16k tokens (bench --routing zipf_shuffled: Qwen3 down 1.18 of torch against 1.02, GLM
   // down 1.07 against 1.03), 1-3% slower in most other cells; on the bench's Zipf, which lists the hottest
   // group first already, it gained nothing (grouped_gemm_wgrad_order_h200.md). So an option, not the default.
-  // "spread" (largest and smallest alternating) is an experiment for metric_mass's retained rows.
   const std::string order = env_or("LRMOE_GEMM_ORDER", "index");
-  if (order != "index" && order != "rows" && order != "spread")
-    throw std::invalid_argument("LRMOE_GEMM_ORDER must be index, rows or spread, not '" + order + "'");
+  if (order != "index" && order != "rows")
+    throw std::invalid_argument("LRMOE_GEMM_ORDER must be index or rows, not '" + order + "'");
   if (raster != "m" && raster != "n")
     throw std::invalid_argument("LRMOE_GEMM_RASTER must be m or n, not '" + raster + "'");
   if (swizzle != "1" && swizzle != "2" && swizzle != "4" && swizzle != "8")
@@ -199,12 +195,11 @@ size_t run(GemmPass pass, int64_t M, int64_t N, int64_t K, int64_t G, const void
   if (temp == nullptr) return sc.used;
   if (temp_bytes < sc.used) throw std::runtime_error("grouped_gemm: scratch too small");
 
-  const int order_code = order == "rows" ? 1 : order == "spread" ? 2 : 0;
   for (int64_t g0 = 0; g0 < G; g0 += kPtrChunk) {
     PtrChunk chunk;
     const int64_t count = std::min<int64_t>(kPtrChunk, G - g0);
     for (int64_t i = 0; i < count; ++i) chunk.p[i] = group_ptrs[g0 + i];
-    setup_kernel<Cfg><<<1, kPtrChunk, 0, stream>>>(pass, M, N, K, G, g0, count, order_code, chunk, sizes,
+    setup_kernel<Cfg><<<1, kPtrChunk, 0, stream>>>(pass, M, N, K, G, g0, count, order == "rows", chunk, sizes,
                                                    static_cast<const Element*>(a), static_cast<const Element*>(b),
                                                    static_cast<Element*>(out), problems, pa, pb, pc, pd, sa, sb, sd,
                                                    stride_a, stride_b, stride_d);

@@ -34,8 +34,8 @@ def expected_path(dtype, N, K):
 
 
 def use_kernels(monkeypatch, config):
-    """Sets the kernels a loop case names: "coop", "m64", ... (LRMOE_GEMM_CONFIG), a "+rows" or "+spread" suffix the
-    problems' order (LRMOE_GEMM_ORDER: by their rows, most first; largest and smallest alternating)."""
+    """Sets the kernels a loop case names: "coop", "m64", ... (LRMOE_GEMM_CONFIG), a "+rows" suffix listing the
+    problems by their rows, most first (LRMOE_GEMM_ORDER=rows)."""
     kernels, _, order = config.partition("+")
     monkeypatch.setenv("LRMOE_GEMM_CONFIG", kernels)
     monkeypatch.setenv("LRMOE_GEMM_ORDER", order or "index")

@@ -23,9 +23,8 @@ def test_matches_fp64_reference(ext, rel_fro, tol, monkeypatch, shape, spread, d
     ref = reference.grouped_linear_wgrad(dy.double(), x.double(), sizes,
                                          out=[t.double() for t in init] if accumulate else None, accumulate=accumulate)
     dyc, xc, sc = dy.cuda(), x.cuda(), sizes.cuda()
-    for allow_cutlass, config in ((True, "coop"), (True, "pingpong"), (True, "auto+rows"),
-                                    (True, "auto+spread"), (False, "auto")):
-        # both CUTLASS kernels, the default ones with the problems by rows or spread, the CUDA-core one, then the API
+    for allow_cutlass, config in ((True, "coop"), (True, "pingpong"), (True, "auto+rows"), (False, "auto")):
+        # both CUTLASS kernels, the default ones with the problems listed by rows, the CUDA-core one; then the API
         use_kernels(monkeypatch, config)
         outs = [t.cuda() if accumulate else torch.full((N, K), float("nan"), dtype=dtype, device="cuda") for t in init]
         used = ext.grouped_gemm(2, dyc, xc, outs, sc, None, accumulate, allow_cutlass)
