@@ -35,8 +35,17 @@ RUN_NAMES = ("exact", "grad_norm", "uniform", "proportional", "threshold", "metr
 def run_spec(run, args):
     """(label, keys set in the "lrmoe" block) of a --runs name at retention ``args.ratio``.
 
-    "ramp": grad_norm sampling at ``args.ratio`` until ``args.ramp_start`` of the steps, then a linear
-    rise to exact (1.0) at the last step (``retention_schedule``)."""
+    "grad_norm", "uniform", "gate", "ramp" and "retained_router" plan by the water-fill (the default split until
+    metric_mass replaced it, so the recorded commands still mean what they did); "metric_mass", "proportional" and
+    "threshold" name their split. "ramp": grad_norm sampling at ``args.ratio`` until ``args.ramp_start`` of the
+    steps, then a linear rise to exact (1.0) at the last step (``retention_schedule``)."""
+    label, block = _run_spec(run, args)
+    if block.get("enabled") and "quota_allocation" not in block:
+        block["quota_allocation"] = "waterfill"
+    return label, block
+
+
+def _run_spec(run, args):
     ratio = args.ratio
     if run == "exact":
         return "exact (enabled false)", {"enabled": False, "retention_ratio": 1.0}

@@ -57,6 +57,16 @@ def test_bad_retention_schedule(block, message):
         parse_config({"lrmoe": block})
 
 
+def test_default_split_is_metric_mass_but_replicas_plan_by_the_waterfill():
+    """The default quota_allocation is "metric_mass", which places no replicas: with replica_slots and no split named,
+    the water-fill plans instead (no error for a block that names neither); a named split stays as named."""
+    assert parse_config({"lrmoe": {"enabled": True}}).quota_allocation == "metric_mass"
+    assert parse_config({"lrmoe": {"replica_slots": 2}}).quota_allocation == "waterfill"
+    assert parse_config({"lrmoe": {"replica_slots": 0}}).quota_allocation == "metric_mass"
+    assert parse_config({"lrmoe": {"replica_slots": 2, "quota_allocation": "proportional"}}).quota_allocation == \
+        "proportional"
+
+
 def test_retention_schedule_is_linear_between_points_and_flat_outside():
     cfg = parse_config({"lrmoe": {"retention_schedule": [[10, 0.4], [30, 0.4], [50, 1.0]]}})
     assert [cfg.retention_at(s) for s in (0, 10, 30)] == [0.4, 0.4, 0.4]

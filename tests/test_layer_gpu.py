@@ -119,7 +119,7 @@ def test_capped_quotas_in_whole_tiles_on_cuda(monkeypatch):
     from lrmoe_ds.quotas import plan_quotas
     torch.manual_seed(0)
     layer = lrmoe_ds.LRMoE(H, num_experts=E, k=K, ffn_hidden_size=F).cuda().bfloat16()
-    layer.configure(lrmoe_ds.LRMoEConfig(enabled=True, retention_ratio=0.3))
+    layer.configure(lrmoe_ds.LRMoEConfig(enabled=True, retention_ratio=0.3, quota_allocation="waterfill"))
     layer.keep_last_selection = True
     x = torch.randn(4096, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     for granule in (None, "1"):

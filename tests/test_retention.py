@@ -404,6 +404,13 @@ def layer_grads(layer, x, step=0, checkpointed=False):
     return xi.grad, [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in layer.parameters()]
 
 
+def replayed_grads(layer, x, masses, **kw):
+    """layer_grads from the default split's planning state ``masses`` (the layer's last training backward's metric
+    masses, "metric_mass"): runs that must plan alike start from the same state, not from each other's backward."""
+    layer._metric_mass = masses
+    return layer_grads(layer, x, **kw)
+
+
 def configure(layer, **kw):
     layer.configure(lrmoe_ds.LRMoEConfig(enabled=True, **kw))
 
@@ -713,12 +720,16 @@ def test_auto_router_dots_follow_the_memory_plan():
     """"dropped_router_dots": "auto" (the default) saves the expert outputs until the memory plan says otherwise; then
     the layer is the "recomputed" one, bit for bit and byte for byte; its statistics give the planner both stashes."""
     layer, x = make_layer(6)
-    results = {}
+    configure(layer, retention_ratio=0.5, policy="stash")
+    layer_grads(layer, x, step=1)  # a backward first: the default split then plans from its metric masses
+    masses, results = layer._metric_mass, {}
+    assert masses is not None
     for dots, planned in (("saved", "saved"), ("recomputed", "saved"), ("auto", "saved"), ("auto", "recomputed")):
         configure(layer, retention_ratio=0.5, policy="stash", dropped_router_dots=dots)
         layer.memory_plan = MemoryPlan("stash", None, planned)
+        layer._metric_mass = masses
         held = saved_bytes(layer, x)
-        results[dots, planned] = held, layer_grads(layer, x, step=2), layer.last_stats
+        results[dots, planned] = held, replayed_grads(layer, x, masses, step=2), layer.last_stats
     for auto, fixed in ((("auto", "saved"), ("saved", "saved")), (("auto", "recomputed"), ("recomputed", "saved"))):
         assert results[auto][0] == results[fixed][0], (auto, fixed)
         dx, grads = results[auto][1]
@@ -740,9 +751,11 @@ def test_stash_of_x_gives_the_gradients_of_the_stash_of_rows(monkeypatch, ratio)
     configure(layer, retention_ratio=ratio, policy="stash")
     if ratio == 1.0:
         layer.memory_plan = MemoryPlan("stash", T * K)  # a cap that keeps every pair: may drop, drops nothing
-    dx_x, g_x = layer_grads(layer, x, step=3)
+    layer_grads(layer, x, step=2)  # a backward first: the default split then plans from its metric masses
+    masses = getattr(layer, "_metric_mass", None)  # none at 1.0: nothing was planned from masses
+    dx_x, g_x = replayed_grads(layer, x, masses, step=3)
     monkeypatch.setattr(pipeline, "stash_keeps_rows", lambda may_drop, ep_size: True)
-    dx_rows, g_rows = layer_grads(layer, x, step=3)
+    dx_rows, g_rows = replayed_grads(layer, x, masses, step=3)
     assert torch.equal(dx_x, dx_rows) and all(torch.equal(a, b) for a, b in zip(g_x, g_rows))
 
 
@@ -828,8 +841,11 @@ def test_reentrant_checkpointing_samples_as_without_it():
     forward then selects the same pairs, and the gradients are those of the plain run, bit for bit."""
     layer, x = make_layer(5)
     configure(layer, retention_ratio=0.5)
-    dx_plain, g_plain = layer_grads(layer, x, step=7)
+    layer_grads(layer, x, step=6)  # a backward first: the default split then plans from its metric masses
+    masses = layer._metric_mass
+    assert masses is not None
+    dx_plain, g_plain = replayed_grads(layer, x, masses, step=7)
     step_plain = int(layer.retention_step)
-    dx_ckpt, g_ckpt = layer_grads(layer, x, step=7, checkpointed=True)
+    dx_ckpt, g_ckpt = replayed_grads(layer, x, masses, step=7, checkpointed=True)
     assert step_plain == int(layer.retention_step) == 8
     assert torch.equal(dx_plain, dx_ckpt) and all(torch.equal(a, b) for a, b in zip(g_plain, g_ckpt))
