@@ -2,7 +2,8 @@
 cuBLAS loop, at the Qwen3-30B-A3B and GLM-4.5-Air expert shapes, 8k and 16k tokens, uniform and
 skewed (Zipf-like, hottest expert first) routing; `--routing ...,zipf_shuffled` adds the same skew with the hot
 experts at random places, `skew0.2` bench_layer.py --skew 0.2's routing, and a suffix `>metric_mass@0.5` the
-rows a backward keeps at retention 0.5 (see routed_sizes). Median of CUDA-event timings; bf16; TFLOP/s = 2 M N K / time.
+rows a backward keeps at retention 0.5 (see routed_sizes). Median of CUDA-event timings; bf16; TFLOP/s = 2 M N K /
+time.
 
     python3 benchmarks/bench_grouped_gemm.py [--out benchmarks/results/grouped_gemm_h200.md]
 
@@ -30,21 +31,18 @@ SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "glm-4.5-air": (4096, 1408, 128,
 # none of them (auto, and the tile order by pass: along M for forward and dgrad, along N with swizzle 2 for wgrad).
 GEMM_VARS = ("LRMOE_GEMM_CONFIG", "LRMOE_GEMM_RASTER", "LRMOE_GEMM_SWIZZLE", "LRMOE_GEMM_ORDER")
 VARIANTS = ["default", "coop-m1", "coop-n2", "pingpong-m1", "m64-m1", "m64-n2"]
-ORDERS = ("rows",)  # LRMOE_GEMM_ORDER's values besides the default "index"
 
 
 def variant_env(name):
-    """The variables a variant sets: "cfg-rz" sets the kernels, raster and swizzle; a "+rows" suffix (or "rows" alone,
-    the default kernels) sets LRMOE_GEMM_ORDER: the grouped problems by their rows, most first; "default" sets none."""
-    order = next((o for o in ORDERS if name == o or name.endswith("+" + o)), None)
-    if order:
-        name = "default" if name == order else name[:-len("+" + order)]
+    """The variables a variant sets: "cfg-rz" sets the kernels, raster and swizzle; a "+rows" suffix (or "rows"
+    alone, the default kernels) lists the grouped problems by their rows, most first; "default" sets none."""
+    name, by_rows = (name[:-len("+rows")], True) if name.endswith("+rows") else (name, name == "rows")
     env = {}
-    if name != "default":
+    if name not in ("default", "rows"):
         cfg, tiles = name.rsplit("-", 1)
         env = {"LRMOE_GEMM_CONFIG": cfg, "LRMOE_GEMM_RASTER": tiles[0], "LRMOE_GEMM_SWIZZLE": tiles[1:]}
-    if order:
-        env["LRMOE_GEMM_ORDER"] = order
+    if by_rows:
+        env["LRMOE_GEMM_ORDER"] = "rows"
     return env
 
 

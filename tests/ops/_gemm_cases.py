@@ -36,6 +36,5 @@ def expected_path(dtype, N, K):
 def use_kernels(monkeypatch, config):
     """Sets the kernels a loop case names: "coop", "m64", ... (LRMOE_GEMM_CONFIG), a "+rows" suffix listing the
     problems by their rows, most first (LRMOE_GEMM_ORDER=rows)."""
-    kernels, _, order = config.partition("+")
-    monkeypatch.setenv("LRMOE_GEMM_CONFIG", kernels)
-    monkeypatch.setenv("LRMOE_GEMM_ORDER", order or "index")
+    monkeypatch.setenv("LRMOE_GEMM_CONFIG", config.split("+")[0])
+    monkeypatch.setenv("LRMOE_GEMM_ORDER", "rows" if config.endswith("+rows") else "index")
