@@ -727,7 +727,7 @@ def test_auto_router_dots_follow_the_memory_plan():
     for dots, planned in (("saved", "saved"), ("recomputed", "saved"), ("auto", "saved"), ("auto", "recomputed")):
         configure(layer, retention_ratio=0.5, policy="stash", dropped_router_dots=dots)
         layer.memory_plan = MemoryPlan("stash", None, planned)
-        layer._metric_mass = masses
+        layer._metric_mass = masses  # saved_bytes runs a step of its own: from the same state
         held = saved_bytes(layer, x)
         results[dots, planned] = held, replayed_grads(layer, x, masses, step=2), layer.last_stats
     for auto, fixed in ((("auto", "saved"), ("saved", "saved")), (("auto", "recomputed"), ("recomputed", "saved"))):
