@@ -19,6 +19,7 @@ import torch
 
 from lrmoe_ds import ops
 from lrmoe_ds.ops import cuda
+from lrmoe_ds.quotas import plan_quotas
 from timing import median_ms, median_ms_interleaved
 
 SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "glm-4.5-air": (4096, 1408, 128, 8)}
@@ -103,7 +104,6 @@ def routed_sizes(T, k, E, skew, gen):
         sizes = torch.bincount(draws, minlength=E)
     if not retained:
         return sizes
-    from lrmoe_ds.quotas import plan_quotas
     allocation, _, ratio = retained.partition("@")
     return plan_quotas(sizes, float(ratio), allocation=allocation, granule=64,
                        weights=torch.ones(E, dtype=torch.float64))
