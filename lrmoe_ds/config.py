@@ -48,8 +48,8 @@ class LRMoEConfig(DeepSpeedConfigModel):
     first step plans by the water-fill; the backward sums the metric per expert (one all-reduce of E numbers where
     ep_size > 1). Not with replica_slots. The default since its held-out loss at retention 0.5 came out closer to the
     exact run's than the water-fill's in 12 of 16 paired seeds (top-2 and top-8, CPU and one H100): +1.48% at top-2 (16 CPU
-    seeds), +0.11% at top-8 (6 H100 seeds), for 0-6% more layer time (benchmarks/results/README.md, eighteenth and
-    nineteenth sessions)."""
+    seeds), +0.74% at top-8 (18 H100 seeds), for 0-6% more layer time (benchmarks/results/README.md, eighteenth to
+    twentieth sessions)."""
 
     metric: Literal["grad_norm", "gate", "uniform"] = "grad_norm"
     """Contribution of a pair to its expert's update: ||dy_p|| ||x_p|| ("grad_norm"), the gate
