@@ -217,7 +217,8 @@ def main(argv=None):
     p.add_argument("--ratio", type=float, nargs="+", default=[0.5])
     p.add_argument("--metrics", nargs="+", default=["grad_norm", "gate", "uniform"])
     p.add_argument("--allocations", nargs="+", default=["waterfill"],
-                   help="quota_allocation of each measured variant (with every metric), e.g. waterfill threshold")
+                   help="quota_allocation of each measured variant (with every metric), e.g. waterfill threshold; "
+                        "metric_mass:N sets its quota_min_rows to N")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=None)
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
@@ -251,16 +252,21 @@ def main(argv=None):
     rows_out = []
     for ratio in args.ratio:
         for metric in args.metrics:
-            for allocation in args.allocations:
+            for variant in args.allocations:
+                allocation, _, min_rows = variant.partition(":")
+                if allocation == "metric_mass":  # one unmeasured backward first: every sample plans from a mass
+                    configure(model, enabled=True, retention_ratio=ratio, metric=metric, seed=999,
+                              quota_allocation=allocation, quota_min_rows=int(min_rows or 0))
+                    gradient(model, batches[0], targs.aux_loss_coef)
                 samples = []
                 for s in range(args.samples):
                     configure(model, enabled=True, retention_ratio=ratio, metric=metric, seed=1000 + s,
-                              quota_allocation=allocation)
+                              quota_allocation=allocation, quota_min_rows=int(min_rows or 0))
                     samples.append(gradient(model, batches[0], targs.aux_loss_coef))
                 configure(model)
                 noise = {g: sum(sq(sub(x, g0))[g] for x in samples) / len(samples) for g in g0}
                 bias = sq(sub(mean(samples), g0))
-                name = metric if args.allocations == ["waterfill"] else f"{metric}, {allocation}"
+                name = metric if args.allocations == ["waterfill"] else f"{metric}, {variant}"
                 rows_out.append((ratio, name, noise, bias))
                 print(f"ratio {ratio} {name}: " + ", ".join(f"{g} {noise[g] / noise_mb[g]:.2f}" for g in g0))
 
