@@ -93,8 +93,6 @@ def parse_args(argv=None):
     p.add_argument("--quota_granules", nargs="+", type=int, default=None,
                    help="LRMOE_QUOTA_GRANULE per LRMoE row (the water-fill's capped quotas in whole tiles of this "
                         "many rows; 1: off): more than one repeats every LRMoE row per value, timed in turns")
-    p.add_argument("--quota_min_rows", nargs="+", type=int, default=[0],
-                   help="quota_min_rows of the metric_mass rows: more than one repeats each metric_mass row per value")
     p.add_argument("--skew", type=float, default=0.0,
                    help="routing skew s: every layer's router gets a logit offset -s ln(rank_e) per expert (ranks a "
                         "fixed shuffle, through input feature 0, set to 1), so loads fall off with an expert's rank and "
@@ -109,19 +107,17 @@ def row_specs(args):
     """(row name, layer kind, "lrmoe" block or None, GEMM config or None); rows of one kind are consecutive."""
     rows = [(ANCHOR, "anchor", None), (DEEPSPEED, "deepspeed", None), ("LRMoE exact (enabled false)", "lrmoe", {})]
     for allocation in args.allocations:
-        for min_rows in args.quota_min_rows if allocation == "metric_mass" else [0]:
-            for dots in args.dropped_router_dots:
-                for policy in args.policies:
-                    for r in args.ratios:
-                        if dots == "recomputed" and (policy != "stash" or r >= 1):
-                            continue  # the saved rows' very path: nothing dropped, or no outputs saved anyway
-                        named = ("" if allocation == "waterfill" else f", {allocation}") + \
-                            (f", min rows {min_rows}" if min_rows else "") + \
-                            ("" if dots == "saved" else ", dropped dots recomputed")
-                        rows.append((f"LRMoE retention {r:g}, {policy}{named}", "lrmoe",
-                                     {"enabled": True, "retention_ratio": r, "policy": policy, "metric": args.metric,
-                                      "router_grad": args.router_grad, "quota_allocation": allocation,
-                                      "dropped_router_dots": dots, "quota_min_rows": min_rows}))
+        for dots in args.dropped_router_dots:
+            for policy in args.policies:
+                for r in args.ratios:
+                    if dots == "recomputed" and (policy != "stash" or r >= 1):
+                        continue  # the saved rows' very path: nothing dropped, or no outputs saved anyway
+                    named = ("" if allocation == "waterfill" else f", {allocation}") + \
+                        ("" if dots == "saved" else ", dropped dots recomputed")
+                    rows.append((f"LRMoE retention {r:g}, {policy}{named}", "lrmoe",
+                                 {"enabled": True, "retention_ratio": r, "policy": policy, "metric": args.metric,
+                                  "router_grad": args.router_grad, "quota_allocation": allocation,
+                                  "dropped_router_dots": dots}))
     variants = [(f", gemm {c}" if len(args.gemm_configs) > 1 else "", {"LRMOE_GEMM_CONFIG": c})
                 for c in args.gemm_configs]
     if args.quota_granules:

@@ -217,8 +217,7 @@ def main(argv=None):
     p.add_argument("--ratio", type=float, nargs="+", default=[0.5])
     p.add_argument("--metrics", nargs="+", default=["grad_norm", "gate", "uniform"])
     p.add_argument("--allocations", nargs="+", default=["waterfill"],
-                   help="quota_allocation of each measured variant (with every metric), e.g. waterfill threshold; "
-                        "metric_mass:N sets its quota_min_rows to N")
+                   help="quota_allocation of each measured variant (with every metric), e.g. waterfill threshold")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=None)
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
@@ -252,21 +251,16 @@ def main(argv=None):
     rows_out = []
     for ratio in args.ratio:
         for metric in args.metrics:
-            for variant in args.allocations:
-                allocation, _, min_rows = variant.partition(":")
-                if allocation == "metric_mass":  # one unmeasured backward first: every sample plans from a mass
-                    configure(model, enabled=True, retention_ratio=ratio, metric=metric, seed=999,
-                              quota_allocation=allocation, quota_min_rows=int(min_rows or 0))
-                    gradient(model, batches[0], targs.aux_loss_coef)
+            for allocation in args.allocations:
                 samples = []
                 for s in range(args.samples):
                     configure(model, enabled=True, retention_ratio=ratio, metric=metric, seed=1000 + s,
-                              quota_allocation=allocation, quota_min_rows=int(min_rows or 0))
+                              quota_allocation=allocation)
                     samples.append(gradient(model, batches[0], targs.aux_loss_coef))
                 configure(model)
                 noise = {g: sum(sq(sub(x, g0))[g] for x in samples) / len(samples) for g in g0}
                 bias = sq(sub(mean(samples), g0))
-                name = metric if args.allocations == ["waterfill"] else f"{metric}, {variant}"
+                name = metric if args.allocations == ["waterfill"] else f"{metric}, {allocation}"
                 rows_out.append((ratio, name, noise, bias))
                 print(f"ratio {ratio} {name}: " + ", ".join(f"{g} {noise[g] / noise_mb[g]:.2f}" for g in g0))
 

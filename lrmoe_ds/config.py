@@ -51,16 +51,6 @@ class LRMoEConfig(DeepSpeedConfigModel):
     seeds), +0.74% at top-8 (18 H100 seeds), for 0-6% more layer time (benchmarks/results/README.md, eighteenth to
     twentieth sessions)."""
 
-    quota_min_rows: int = Field(0, ge=0, strict=True)
-    """"metric_mass" only: every expert keeps at least min(n_e, this) of its pairs (on CUDA rounded up to whole
-    64-row tiles), taken from the experts of largest share; 0: off. Why: a group's backward GEMMs read its expert's
-    whole weight, so an expert kept under about the card's FLOP/byte ridge in rows (about 234 on an H100, 165 on an
-    H200) costs the same time as one kept at the ridge, and the mass split leaves many there at 8k tokens under
-    skewed routing, where it ran 5-6% slower than the water-fill on an H100. Raising them is free in GEMM time and
-    moves rows off the compute-bound hot experts, for more sampling variance than the mass split's (the
-    least-variance split within the bounds; benchmarks/results/README.md, twentieth session). Ignored in a step
-    whose bounds alone exceed the target; the budget's per-rank caps still win."""
-
     metric: Literal["grad_norm", "gate", "uniform"] = "grad_norm"
     """Contribution of a pair to its expert's update: ||dy_p|| ||x_p|| ("grad_norm"), the gate
     weight ("gate"), or none ("uniform", the ablation baseline)."""
@@ -169,9 +159,6 @@ class LRMoEConfig(DeepSpeedConfigModel):
             if planned:
                 raise ValueError(f'quota_allocation "threshold" chooses each expert\'s count in the backward; '
                                  f'{" and ".join(planned)} need planned quotas ("waterfill" or "proportional")')
-        if self.quota_min_rows and self.quota_allocation != "metric_mass":
-            raise ValueError(f'quota_min_rows bounds the "metric_mass" split; quota_allocation is '
-                             f'"{self.quota_allocation}" (the water-fill keeps min(n_e, c) of every expert already)')
         if self.quota_allocation == "metric_mass" and self.replica_slots:
             raise ValueError('quota_allocation "metric_mass" does not place replicas: set replica_slots 0, or use '
                              '"waterfill" or "proportional" with replicas')

@@ -196,7 +196,7 @@ class LRMoE(MoE):
                     weights = self._mass_weights()
                     allocation = "waterfill" if weights is None else allocation
                 quotas = plan_quotas(n, ratio, R, cfg.floor, cfg.balance_factor, max_rows, allocation,
-                                     granule, rounding_gen, weights, cfg.quota_min_rows)
+                                     granule, rounding_gen, weights)
                 if cfg.quota_allocation == "metric_mass":
                     spec.on_mass = lambda mass, n=n: setattr(self, "_metric_mass", (HostCopy(mass), n))
             retained = quotas.view(R, -1).sum(1) if placed is None else placed.retained_per_rank()

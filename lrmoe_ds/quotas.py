@@ -121,20 +121,14 @@ def quota_weights(counts: torch.Tensor, quotas: torch.Tensor, retention_ratio: f
     return _inverse_inclusion(scaled, total, (scaled < total) & (quotas.cpu() > 0) & (floor_pairs(floor, n) == 0))
 
 
-def _mass_fill(n: torch.Tensor, budget: int, weights: torch.Tensor, granule: int = 1,
-               min_rows: int = 0) -> torch.Tensor:
+def _mass_fill(n: torch.Tensor, budget: int, weights: torch.Tensor, granule: int = 1) -> torch.Tensor:
     """The "metric_mass" split: Q_e = min(n_e, n_e w_e / tau) with tau the smallest that fits ``budget`` (w_e: a
     pair's mean metric at expert e in the last backward, so each expert keeps about the share one priority-sampling
     threshold over the layer would give it), rounded down, at least 1 for every expert with pairs (so that none is
     left out of its gradient: any fixed quota >= 1 keeps it unbiased), the pairs left by the rounding to the largest
     remainders (ties: lower index), and what is still left (experts of weight 0 only) by the water-fill. n itself if it
     is within budget; the plain water-fill where the budget has fewer pairs than experts with pairs. granule g > 1:
-    the capped quotas in whole tiles (:func:`_whole_tiles`). In numpy: it runs in every training forward.
-
-    min_rows m > 0: every expert keeps at least L_e = min(n_e, m rounded up to whole tiles) (a group's backward
-    GEMMs read its whole weight, so below about the card's FLOP/byte ridge in rows they take the same time whatever
-    they keep): Q_e = clamp(n_e w_e / tau, L_e, n_e), the least-variance split within those bounds, its rows taken
-    from the experts of largest share. Ignored where the bounds alone exceed the budget."""
+    the capped quotas in whole tiles (:func:`_whole_tiles`). In numpy: it runs in every training forward."""
     nv = n.detach().cpu().numpy().astype(np.int64)
     total, busy = int(nv.sum()), int(np.count_nonzero(nv))
     if total <= budget:
@@ -144,19 +138,22 @@ def _mass_fill(n: torch.Tensor, budget: int, weights: torch.Tensor, granule: int
     mass = nv * np.maximum(weights.detach().double().cpu().numpy(), 0.0)
     if not (mass > 0).any():
         return _level(n, budget, granule)
-    lo = np.minimum(nv, -(-min_rows // max(granule, 1)) * max(granule, 1)) if min_rows > 0 else np.zeros_like(nv)
-    lo = lo if int(lo.sum()) <= budget else np.zeros_like(nv)
-    # active sets: an expert whose share falls under its bound is fixed there and the rest split again with the
-    # budget less its rows; tau only rises as experts are fixed, so none fixed ever wants more than its bound
-    fixed = np.zeros(len(nv), dtype=bool)
-    while True:
-        exact = _mass_shares(nv, mass, budget - int(lo[fixed].sum()), ~fixed)
-        under = ~fixed & (exact < lo)
-        if not under.any():
+    # experts saturate (keep all n_e) in order of falling w_e; tau from the rest (a short loop: it stops at the first
+    # expert left unsaturated, which exists as total > budget; tau 0: only weightless experts left)
+    with_pairs = np.flatnonzero(nv > 0)
+    vals, masses = nv.tolist(), mass.tolist()
+    kept_whole, rest_mass, tau = 0, sum(masses), 0.0
+    for e in with_pairs[np.argsort(-(mass[with_pairs] / nv[with_pairs]), kind="stable")].tolist():
+        # rest_mass >= masses[e] but for rounding, which could otherwise saturate e past the budget (and divide by 0
+        # next) where the experts of nonzero weight hold exactly the budget
+        tau = max(rest_mass, masses[e]) / (budget - kept_whole)
+        if masses[e] / vals[e] <= tau:
             break
-        fixed |= under
-    exact = np.where(fixed, lo.astype(np.float64), exact)
-    q = np.where(nv > 0, np.minimum(nv, np.maximum(np.maximum(1, lo), np.floor(exact).astype(np.int64))), 0)
+        kept_whole += vals[e]
+        rest_mass -= masses[e]
+    saturated = (nv > 0) & (mass / np.maximum(nv, 1) > tau)
+    exact = np.where(saturated, nv.astype(np.float64), mass / tau if tau > 0 else 0.0)
+    q = np.where(nv > 0, np.minimum(nv, np.maximum(1, np.floor(exact).astype(np.int64))), 0)
     for _ in range(int(q.sum()) - budget):  # the minimum of 1 overshot: take back from the largest (ties: lower index)
         q[np.argmax(q)] -= 1
     short = np.flatnonzero(q < nv)
@@ -167,31 +164,6 @@ def _mass_fill(n: torch.Tensor, budget: int, weights: torch.Tensor, granule: int
     # more left than one pair each: experts without weight (every metric 0 there) share it by the water-fill
     q = q + _level(n - q, left) if left > 0 else q
     return _whole_tiles(n, q, budget, granule, exact) if granule > 1 else q
-
-
-def _mass_shares(nv: np.ndarray, mass: np.ndarray, budget: int, free: np.ndarray) -> np.ndarray:
-    """[E] fp64: min(n_e, mass_e / tau) for the ``free`` experts, tau the smallest whose shares fit ``budget`` (0
-    elsewhere); every free expert's n_e where they all fit. Experts saturate (keep all n_e) in order of falling
-    w_e = mass_e / n_e; tau from the rest (a short loop: it stops at the first expert left unsaturated; tau 0: only
-    weightless experts left)."""
-    exact = np.zeros(len(nv), dtype=np.float64)
-    if int(nv[free].sum()) <= budget:
-        exact[free] = nv[free]
-        return exact
-    with_pairs = np.flatnonzero(free & (nv > 0))
-    vals, masses = nv.tolist(), mass.tolist()
-    kept_whole, rest_mass, tau = 0, float(mass[with_pairs].sum()), 0.0
-    for e in with_pairs[np.argsort(-(mass[with_pairs] / nv[with_pairs]), kind="stable")].tolist():
-        # rest_mass >= masses[e] but for rounding, which could otherwise saturate e past the budget (and divide by 0
-        # next) where the experts of nonzero weight hold exactly the budget
-        tau = max(rest_mass, masses[e]) / (budget - kept_whole)
-        if masses[e] / vals[e] <= tau:
-            break
-        kept_whole += vals[e]
-        rest_mass -= masses[e]
-    saturated = free & (nv > 0) & (mass / np.maximum(nv, 1) > tau)
-    exact[free] = np.where(saturated, nv, mass / tau if tau > 0 else 0.0)[free]
-    return exact
 
 
 def _whole_tiles(n: torch.Tensor, q: torch.Tensor, budget: int, granule: int, exact: np.ndarray) -> torch.Tensor:
@@ -248,8 +220,7 @@ def quota_granule(device: torch.device) -> int:
 def plan_quotas(counts: torch.Tensor, retention_ratio: float = 1.0, ep_size: int = 1, floor: float = 0.0,
                 balance_factor: float = float("inf"), max_rows_per_rank: Optional[int] = None,
                 allocation: Literal["waterfill", "proportional", "metric_mass"] = "waterfill", granule: int = 1,
-                generator: Optional[torch.Generator] = None, weights: Optional[torch.Tensor] = None,
-                min_rows: int = 0) -> torch.Tensor:
+                generator: Optional[torch.Generator] = None, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Q_e, the pairs of each expert whose backward runs.
 
     counts [E] int (n_e over the expert-parallel group; expert e lives on rank e // (E / ep_size)).
@@ -264,8 +235,7 @@ def plan_quotas(counts: torch.Tensor, retention_ratio: float = 1.0, ep_size: int
     ignores it. generator: "proportional"'s target rounded by sampling (:func:`_scale`, :func:`quota_weights`); its
     per-rank cuts under a memory cap stay in the fixed order (a hard limit, where an expert rounded down to 0 stays
     out). weights [E]: "metric_mass"'s mean metric per pair of each expert (:func:`_mass_fill`); its per-rank cuts
-    are the water-fill's. min_rows: "metric_mass"'s target keeps every expert at min(n_e, min_rows) or more
-    (:func:`_mass_fill`; the water-fill's min(n_e, c) already does wherever the budget allows it).
+    are the water-fill's.
     """
     if allocation not in ALLOCATIONS:
         raise ValueError(f"unknown quota allocation {allocation!r}; accepted: {', '.join(ALLOCATIONS)}")
@@ -282,8 +252,7 @@ def plan_quotas(counts: torch.Tensor, retention_ratio: float = 1.0, ep_size: int
     if n.numel() % ep_size:
         raise ValueError(f"{n.numel()} experts cannot be split over ep_size {ep_size}")
     target = functools.partial(_scale, generator=generator) if allocation == "proportional" and generator else \
-        functools.partial(_mass_fill, weights=weights, granule=granule, min_rows=min_rows) \
-        if allocation == "metric_mass" else cut
+        functools.partial(_mass_fill, weights=weights, granule=granule) if allocation == "metric_mass" else cut
     q = target(n, target_pairs(retention_ratio, int(n.sum())))
     per_rank = q.view(ep_size, -1)
     caps = [float("inf")] * ep_size

@@ -51,10 +51,6 @@ def test_bad_block_names_the_key(block, message):
     ({"quota_allocation": "threshold", "replica_slots": 1}, "replica_slots need planned quotas"),
     ({"quota_allocation": "metric_mass", "replica_slots": 1}, '"metric_mass" does not place replicas'),
     ({"replica_slots": -1}, '"replica_slots": Input should be greater than or equal to 0'),
-    ({"quota_allocation": "waterfill", "quota_min_rows": 64}, 'quota_min_rows bounds the "metric_mass" split'),
-    ({"quota_allocation": "threshold", "quota_min_rows": 64}, 'quota_allocation is "threshold"'),
-    ({"quota_min_rows": -1}, '"quota_min_rows": Input should be greater than or equal to 0'),
-    ({"quota_min_rows": 64.0}, '"quota_min_rows": Input should be a valid integer'),
 ])
 def test_bad_retention_schedule(block, message):
     with pytest.raises(ValueError, match=message):

@@ -154,54 +154,6 @@ def test_metric_mass_split_in_whole_tiles(seed):
                                    weights=torch.ones(4, dtype=torch.float64)), q)
 
 
-def _bounded_mass_split(n, budget, w, lo):
-    """The continuous split clamp(n_e w_e / tau, lo_e, n_e) summing to ``budget``, tau by bisection (fp64)."""
-    n, lo, mass = n.double(), lo.double(), n.double() * w
-    a, b = 1e-12, float(mass.max()) * 1e6
-    for _ in range(300):
-        tau = (a * b) ** 0.5
-        a, b = (tau, b) if float(torch.clamp(mass / tau, min=lo).clamp(max=n).sum()) > budget else (a, tau)
-    return torch.clamp(mass / b, min=lo).clamp(max=n)
-
-
-@pytest.mark.parametrize("seed", range(8))
-def test_metric_mass_split_with_min_rows(seed):
-    """quota_min_rows m: every expert keeps min(n_e, m) or more; the quotas are the least-variance split within those
-    bounds, clamp(n_e w_e / tau, min(n_e, m), n_e) (checked against a bisection), to the pair; the rows come from the
-    largest shares, so none above its bound gains and the variance sum_e (n_e w_e)^2 / Q_e is the least over the
-    bounded splits tried. With a granule the bound is in whole tiles; where the bounds alone exceed the budget, the
-    plain split."""
-    from lrmoe_ds.quotas import _mass_fill
-    g = torch.Generator().manual_seed(200 + seed)
-    E = int(torch.randint(4, 40, (1,), generator=g))
-    n = (torch.rand(E, generator=g) ** 3 * 900).long()                  # skewed: many small experts, a few hot
-    n[: E // 5] = 0 if seed % 2 else n[: E // 5]
-    w = torch.rand(E, generator=g, dtype=torch.float64) * 3 + 0.1
-    var = lambda q: float(((n.double() * w) ** 2 / q.clamp_min(1).double()).sum())
-    budget = int(n.sum()) // 2
-    for m in (1, 20, 60, 150):
-        lo = torch.clamp(n, max=m)
-        if int(lo.sum()) > budget:
-            assert torch.equal(_mass_fill(n, budget, w, min_rows=m), _mass_fill(n, budget, w)), m
-            continue
-        plain, q = _mass_fill(n, budget, w), _mass_fill(n, budget, w, min_rows=m)
-        assert int(q.sum()) == budget and torch.all(q >= lo) and torch.all(q <= n), (n.tolist(), m, q.tolist())
-        exact = _bounded_mass_split(n, budget, w, lo)
-        assert torch.all((q.double() - exact).abs() < 1.0 + 1e-6), (q.tolist(), exact.tolist())
-        assert torch.all(q[q > lo] <= plain[q > lo] + 1), (plain.tolist(), q.tolist())  # only the bounded gain
-        # the water-fill also satisfies the bounds here; the bounded mass split has no more variance
-        wf = plan_quotas(n, budget / int(n.sum()))
-        if torch.all(wf >= lo) and int(wf.sum()) == budget:
-            assert var(q) <= var(wf) * (1 + 1e-3), (var(q), var(wf))
-    big, w = torch.tensor([1000, 900, 90, 60, 0]), torch.tensor([1.0, 1.0, 0.2, 0.2, 1.0], dtype=torch.float64)
-    assert _mass_fill(big, 700, w).tolist() == [363, 326, 7, 4, 0]
-    assert _mass_fill(big, 700, w, min_rows=70).tolist() == [300, 270, 70, 60, 0]  # the cold two bounded, 570 split
-    assert _mass_fill(big, 700, w, 64).tolist() == [320, 320, 7, 53, 0]
-    assert _mass_fill(big, 700, w, 64, min_rows=70).tolist() == [256, 256, 90, 60, 0]  # 70 -> two tiles
-    assert torch.equal(plan_quotas(big, 0.5, allocation="metric_mass", granule=64, min_rows=70, weights=w),
-                       _mass_fill(big, 1025, w, 64, min_rows=70))
-
-
 def test_metric_mass_plans_from_the_last_backward(monkeypatch):
     """The first step plans by the water-fill; its backward sums the metric per expert, and the next step's quotas
     follow those masses (the expert with the heavier pairs keeps more of them)."""
@@ -216,13 +168,6 @@ def test_metric_mass_plans_from_the_last_backward(monkeypatch):
     q = layer.last_stats.quotas
     assert torch.equal(q, plan_quotas(n, 0.5, allocation="metric_mass", weights=weights))
     assert not torch.equal(q, plan_quotas(n, 0.5))
-    configure(layer, retention_ratio=0.5, quota_allocation="metric_mass", quota_min_rows=15)  # bounded below
-    layer_grads(layer, x, step=1)
-    weights = layer._mass_weights()
-    layer_grads(layer, x, step=2)
-    bounded = plan_quotas(n, 0.5, allocation="metric_mass", weights=weights, min_rows=15)
-    assert torch.equal(layer.last_stats.quotas, bounded) and torch.all(bounded >= torch.clamp(n, max=15))
-    assert not torch.equal(bounded, plan_quotas(n, 0.5, allocation="metric_mass", weights=weights))
     with pytest.raises(ValueError, match="needs the experts' weights"):
         plan_quotas(n, 0.5, allocation="metric_mass")
 
