@@ -32,45 +32,62 @@ class MemoryPlan:
     dropped_router_dots: Literal["saved", "recomputed"] = "saved"
 
 
+def _counts_np(t) -> np.ndarray:
+    """int64 numpy form of host counts (a CPU tensor's memory is shared: callers do not write to it)."""
+    return t.astype(np.int64, copy=False) if isinstance(t, np.ndarray) else \
+        t.detach().cpu().numpy().astype(np.int64, copy=False)
+
+
 def _level(n: torch.Tensor, budget: int, granule: int = 1) -> torch.Tensor:
     """min(n, c) for the largest integer cap c with sum(min(n, c)) <= budget (water-fill from above).
 
-    One pass over the sorted counts (host ints; it runs in every training forward, so no tensor ops):
-    for c between the i-th and the (i+1)-th smallest count, sum(min(n, c)) = (sum of the i smallest) +
-    c (E - i), linear in c.
+    For c between the i-th and the (i+1)-th smallest count, sum(min(n, c)) = (sum of the i smallest) + c (E - i),
+    linear in c: the cap comes from the first i where that reaches the budget at c = the i-th count.
 
     granule g > 1 (where c >= g): the capped experts (n_e > c) keep whole multiples of g instead, since the
     backward's GEMMs tile a group's rows by 64 and compute a partial last tile in full: each keeps floor(c / g) g,
     and the pairs that frees go back in whole tiles to the hottest capped experts (ties: lower index), each at
     most its n_e. The sum stays within the budget and within g of the plain water-fill's; the cold experts
     (n_e <= c) keep every pair, as before."""
-    vals = n.tolist()
-    if sum(vals) <= budget:
+    if int(n.sum()) <= budget:
         return n.clone()
-    prefix, E, cap = 0, len(vals), 0
-    for i, v in enumerate(sorted(vals)):
-        if prefix + v * (E - i) > budget:
-            cap = max(0, (budget - prefix) // (E - i))
-            break
-        prefix += v
+    return torch.from_numpy(_level_np(_counts_np(n), budget, granule)).to(n.dtype)
+
+
+def _level_np(nv: np.ndarray, budget: int, granule: int = 1) -> np.ndarray:
+    """:func:`_level` on int64 numpy counts (it runs in every training forward: few numpy calls, no tensor ops)."""
+    if int(nv.sum()) <= budget:
+        return nv.copy()
+    E, s = nv.size, np.sort(nv)
+    before = np.cumsum(s) - s                                   # the sum of the i smallest, per i
+    i = int(np.argmax(before + s * (E - np.arange(E)) > budget))  # exists: at i = E - 1 it is the total
+    cap = max(0, (budget - int(before[i])) // (E - i))
     if granule <= 1 or cap < granule:
-        return torch.clamp(n, max=cap)
+        return np.minimum(nv, cap)
     base = cap // granule * granule
-    q = [v if v <= cap else base for v in vals]
-    left = budget - sum(q)
-    hot = sorted([e for e in range(E) if vals[e] > cap], key=vals.__getitem__, reverse=True)  # stable: ties by index
-    # hottest first, each a whole tile while one is left; those with fewer than a tile above base (the coldest of
-    # the capped, last in this order) take what they have where it still fits
-    full = next((i for i, e in enumerate(hot) if vals[e] < base + granule), len(hot))
+    capped = nv > cap
+    q = np.where(capped, base, nv)
+    left = budget - int(q.sum())
+    hot = np.flatnonzero(capped)
+    hot = hot[np.argsort(-nv[hot], kind="stable")]             # hottest first, ties: lower index
+    # each a whole tile while one is left; those with fewer than a tile above base (the coldest of the capped, last
+    # in this order) take what they have where it still fits
+    full = int(np.count_nonzero(nv[hot] >= base + granule))
     tiles = min(full, left // granule)
-    for e in hot[:tiles]:
-        q[e] += granule
+    q[hot[:tiles]] += granule
     left -= tiles * granule
-    for e in hot[full:]:
-        if vals[e] - base <= left:
-            left -= vals[e] - base
-            q[e] = vals[e]
-    return torch.tensor(q, dtype=n.dtype)
+    for e in hot[full:].tolist():
+        v = int(nv[e])
+        if v - base <= left:
+            left -= v - base
+            q[e] = v
+    return q
+
+
+@functools.lru_cache(maxsize=64)
+def _as_written(ratio: float) -> Tuple[int, int]:
+    """(numerator, denominator) of the ratio as written: its shortest decimal repr, exactly (0.7 is 7 / 10)."""
+    return Fraction(repr(float(ratio))).as_integer_ratio()
 
 
 def target_pairs(ratio: float, pairs: int) -> int:
@@ -78,12 +95,13 @@ def target_pairs(ratio: float, pairs: int) -> int:
     x = ratio * pairs
     if math.ceil(x) - x > 1e-9 * max(1.0, x):  # clear of an integer: the float product decides (per forward: fast)
         return math.floor(x)
-    return math.floor(Fraction(repr(float(ratio))) * pairs)
+    num, den = _as_written(ratio)  # near or at one (0.5 of an even count, every step): exactly, in integers
+    return num * pairs // den
 
 
 def floor_pairs(fraction: float, n: torch.Tensor) -> torch.Tensor:
     """ceil(fraction * n_e) per expert, exactly for the fraction as written (0.07 of 100 is 7, not 8)."""
-    num, den = Fraction(repr(float(fraction))).as_integer_ratio()
+    num, den = _as_written(fraction)
     return torch.tensor([(num * v + den - 1) // den for v in n.tolist()], dtype=torch.long)
 
 
@@ -128,16 +146,23 @@ def _mass_fill(n: torch.Tensor, budget: int, weights: torch.Tensor, granule: int
     left out of its gradient: any fixed quota >= 1 keeps it unbiased), the pairs left by the rounding to the largest
     remainders (ties: lower index), and what is still left (experts of weight 0 only) by the water-fill. n itself if it
     is within budget; the plain water-fill where the budget has fewer pairs than experts with pairs. granule g > 1:
-    the capped quotas in whole tiles (:func:`_whole_tiles`). In numpy: it runs in every training forward."""
-    nv = n.detach().cpu().numpy().astype(np.int64)
+    the capped quotas in whole tiles (:func:`_whole_tiles`)."""
+    if int(n.sum()) <= budget:
+        return n.clone()
+    w = np.asarray(weights.detach().cpu(), dtype=np.float64)
+    return torch.from_numpy(_mass_fill_np(_counts_np(n), budget, w, granule)).to(n.dtype)
+
+
+def _mass_fill_np(nv: np.ndarray, budget: int, w: np.ndarray, granule: int = 1) -> np.ndarray:
+    """:func:`_mass_fill` on int64 numpy counts and float64 weights (it runs in every training forward)."""
     total, busy = int(nv.sum()), int(np.count_nonzero(nv))
     if total <= budget:
-        return n.clone()
+        return nv.copy()
     if budget < busy:
-        return _level(n, budget, granule)
-    mass = nv * np.maximum(weights.detach().double().cpu().numpy(), 0.0)
+        return _level_np(nv, budget, granule)
+    mass = nv * np.maximum(w, 0.0)
     if not (mass > 0).any():
-        return _level(n, budget, granule)
+        return _level_np(nv, budget, granule)
     # experts saturate (keep all n_e) in order of falling w_e; tau from the rest (a short loop: it stops at the first
     # expert left unsaturated, which exists as total > budget; tau 0: only weightless experts left)
     with_pairs = np.flatnonzero(nv > 0)
@@ -159,20 +184,18 @@ def _mass_fill(n: torch.Tensor, budget: int, weights: torch.Tensor, granule: int
     short = np.flatnonzero(q < nv)
     rest = short[np.argsort(-(exact - np.floor(exact))[short], kind="stable")]  # largest remainders, ties: lower index
     q[rest[:max(0, budget - int(q.sum()))]] += 1
-    q = torch.from_numpy(q).to(n.dtype)
     left = budget - int(q.sum())
     # more left than one pair each: experts without weight (every metric 0 there) share it by the water-fill
-    q = q + _level(n - q, left) if left > 0 else q
-    return _whole_tiles(n, q, budget, granule, exact) if granule > 1 else q
+    q = q + _level_np(nv - q, left) if left > 0 else q
+    return _whole_tiles(nv, q, budget, granule, exact) if granule > 1 else q
 
 
-def _whole_tiles(n: torch.Tensor, q: torch.Tensor, budget: int, granule: int, exact: np.ndarray) -> torch.Tensor:
+def _whole_tiles(nv: np.ndarray, qv: np.ndarray, budget: int, granule: int, exact: np.ndarray) -> np.ndarray:
     """"metric_mass"'s quotas in whole GEMM tiles (as :func:`_level`'s with a granule): each capped expert
     (q_e < n_e) of at least one tile keeps floor(q_e / g) g; the pairs that frees go back, a whole tile each (or all
     of an expert's pairs, if fewer), to the experts that lost the most of their ``exact`` share, while they fit; what
     is still left fills the experts under one tile (whose one partial tile is paid anyway) up to a tile or their
     n_e. Within the budget; a fixed quota >= 1 per expert with pairs, so the gradient stays unbiased."""
-    nv, qv = n.numpy().astype(np.int64), q.numpy().astype(np.int64)
     base = np.where((qv >= granule) & (qv < nv), qv - qv % granule, qv)
     left = budget - int(base.sum())
     cut = np.flatnonzero(base != qv)
@@ -194,16 +217,18 @@ def _whole_tiles(n: torch.Tensor, q: torch.Tensor, budget: int, granule: int, ex
         s = min(left, min(int(nv[e]), granule) - int(base[e]))
         base[e] += s
         left -= s
-    return torch.from_numpy(base).to(n.dtype)
+    return base
 
 
 def mass_weights(mass: torch.Tensor, counts: torch.Tensor) -> Optional[torch.Tensor]:
     """[E] fp64: "metric_mass"'s weights, a pair's mean metric per expert (summed metric ``mass`` over ``counts``
     pairs, one backward's); an expert without pairs there takes the layer's mean; None where the mass is all 0."""
-    mass, n = mass.detach().double().cpu(), counts.detach().double().cpu()
-    if float(mass.sum()) <= 0:
+    mass = mass.detach().double().cpu()
+    total = float(mass.sum())
+    if total <= 0:
         return None
-    return torch.where(n > 0, mass / n.clamp_min(1), mass.sum() / n.sum())
+    m, n = mass.numpy(), counts.detach().cpu().numpy().astype(np.float64)
+    return torch.from_numpy(np.where(n > 0, m / np.maximum(n, 1.0), total / n.sum()))
 
 
 ALLOCATIONS = {"waterfill": _level, "proportional": _scale, "metric_mass": _mass_fill}
@@ -239,35 +264,38 @@ def plan_quotas(counts: torch.Tensor, retention_ratio: float = 1.0, ep_size: int
     """
     if allocation not in ALLOCATIONS:
         raise ValueError(f"unknown quota allocation {allocation!r}; accepted: {', '.join(ALLOCATIONS)}")
-    cut = ALLOCATIONS[allocation]
-    if allocation == "metric_mass":  # the target by the masses; a rank over its cap is cut by the water-fill
-        if weights is None:
-            raise ValueError('quota allocation "metric_mass" needs the experts\' weights (a pair\'s mean metric)')
-        cut = _level
-    if allocation in ("waterfill", "metric_mass") and granule > 1:
-        cut = functools.partial(_level, granule=granule)
+    if allocation == "metric_mass" and weights is None:
+        raise ValueError('quota allocation "metric_mass" needs the experts\' weights (a pair\'s mean metric)')
     if not 0.0 < retention_ratio <= 1.0:
         raise ValueError(f"retention_ratio must be in (0, 1], got {retention_ratio}")
     n = counts.detach().long().cpu()
     if n.numel() % ep_size:
         raise ValueError(f"{n.numel()} experts cannot be split over ep_size {ep_size}")
-    target = functools.partial(_scale, generator=generator) if allocation == "proportional" and generator else \
-        functools.partial(_mass_fill, weights=weights, granule=granule) if allocation == "metric_mass" else cut
-    q = target(n, target_pairs(retention_ratio, int(n.sum())))
-    per_rank = q.view(ep_size, -1)
+    # in numpy, once converted: this runs in every training forward, on the host's critical path
+    nv = _counts_np(n)
+    budget = target_pairs(retention_ratio, int(nv.sum()))
+    if allocation == "proportional":
+        q = _counts_np(_scale(n, budget, generator)).copy()
+    elif allocation == "metric_mass":
+        q = _mass_fill_np(nv, budget, np.asarray(weights.detach().cpu(), dtype=np.float64), granule)
+    else:
+        q = _level_np(nv, budget, granule)
+    per_rank = q.reshape(ep_size, -1)
     caps = [float("inf")] * ep_size
     if max_rows_per_rank is not None:
         caps = [max_rows_per_rank] * ep_size
-    if not torch.equal(q, n) and ep_size > 1:
+    if ep_size > 1 and not np.array_equal(q, nv):
         mean = float(per_rank.sum()) / ep_size
         bound = balance_factor * mean  # (a finite factor can still overflow: no bound then)
         caps = [min(c, math.floor(bound)) if math.isfinite(bound) else c for c in caps]
     for r, cap in enumerate(caps):
-        if int(per_rank[r].sum()) > cap:
-            per_rank[r] = cut(per_rank[r], int(cap))
+        if math.isfinite(cap) and int(per_rank[r].sum()) > cap:
+            # a rank over its cap is cut by the water-fill ("proportional": the same fraction, in the fixed order)
+            per_rank[r] = _counts_np(_scale(torch.from_numpy(per_rank[r].copy()), int(cap))) \
+                if allocation == "proportional" else _level_np(per_rank[r].copy(), int(cap), granule)
     if floor > 0:
-        q = torch.maximum(q, torch.minimum(n, floor_pairs(floor, n)))
-    return q.view_as(n)
+        q = np.maximum(q, np.minimum(nv, _counts_np(floor_pairs(floor, n))))
+    return torch.from_numpy(q).view_as(n)
 
 
 def rank_shares(quotas: torch.Tensor, all_counts: torch.Tensor,
@@ -283,10 +311,10 @@ def rank_shares(quotas: torch.Tensor, all_counts: torch.Tensor,
     1 / f_re its kept pair is weighted by, keeping the gradient unbiased (the fixed order would leave the same
     small groups out step after step).
     """
+    if all_counts.shape[0] == 1:  # one rank holds every pair: its share is the whole quota
+        return torch.minimum(quotas.detach().long().cpu(), all_counts[0].detach().long().cpu()).view(1, -1)
     c = all_counts.detach().long().cpu()
     q = torch.minimum(quotas.detach().long().cpu(), c.sum(0))
-    if c.shape[0] == 1:  # one rank holds every pair: its share is the whole quota
-        return q.view(1, -1)
     n = c.sum(0).clamp_min(1)
     scaled = q.unsqueeze(0) * c                                  # [R, E]
     base, frac = scaled // n, scaled % n
@@ -318,9 +346,9 @@ def share_weights(quotas: torch.Tensor, all_counts: torch.Tensor, shares: torch.
     """[R, E] fp32: 1 / f_re for a (rank, expert) whose share's whole part is 0 and whose sampled share is 1
     (:func:`rank_shares` with a generator: it got that pair with probability f_re), 1 elsewhere; None where no
     group is such (then every kept pair's own weight is already unbiased)."""
-    c = all_counts.detach().long().cpu()
-    if c.shape[0] == 1:
+    if all_counts.shape[0] == 1:
         return None
+    c = all_counts.detach().long().cpu()
     q = torch.minimum(quotas.detach().long().cpu(), c.sum(0))
     n = c.sum(0).clamp_min(1)
     scaled = q.unsqueeze(0) * c
