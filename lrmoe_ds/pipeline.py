@@ -184,10 +184,10 @@ class RoutedMLP(torch.autograd.Function):
             else:
                 sizes, quotas = to_device(plan.all_counts[rank], dout.device), to_device(shares[rank], dout.device)
             if spec.on_mass is not None:  # "metric_mass": each expert's summed metric plans the next step's quotas
-                expert = torch.repeat_interleave(torch.arange(sizes.numel(), device=dout.device), sizes,
-                                                 output_size=metric.numel())
-                mass = torch.zeros(sizes.numel(), dtype=torch.float32, device=dout.device)
-                spec.on_mass(disp.sum_over_group(mass.index_add_(0, expert, metric.float())))
+                # the pairs are grouped by expert: a segmented sum, in a fixed order on CUDA too (index_add_'s atomics
+                # were not, and a last-bit change in a mass can move a quota); unsafe: no check that reads sizes back
+                mass = torch.segment_reduce(metric.float(), "sum", lengths=sizes, unsafe=True)
+                spec.on_mass(disp.sum_over_group(mass))
             total = None if spec.totals is None else spec.totals[rank]
             kept, scale, kept_sizes = select_retained(metric, sizes, quotas, spec.selection, spec.seed,
                                                       num_kept=int(shares[rank].sum()), total=total)

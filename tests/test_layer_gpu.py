@@ -75,7 +75,7 @@ def test_bf16_retention_matches_reference_over_selected_pairs(policy, router_gra
 
 @pytest.mark.parametrize("retention,allocation,dots", [(None, "waterfill", "saved"), (1.0, "waterfill", "saved"),
                                                         (0.5, "waterfill", "saved"), (0.5, "threshold", "saved"),
-                                                        (0.5, "waterfill", "recomputed")])
+                                                        (0.5, "waterfill", "recomputed"), (0.5, "metric_mass", "saved")])
 def test_no_host_synchronisation_on_one_gpu(retention, allocation, dots):
     """On one GPU with the CUDA ops no step of the layer waits for the GPU's stream: the exact layer
     reads nothing back; with retention the forward waits once, on an event, for the early copy of the
@@ -153,3 +153,25 @@ def test_metric_mass_quotas_in_whole_tiles_on_cuda():
     assert not torch.equal(q, plan_quotas(n, 0.3, allocation="metric_mass", weights=weights))
     assert torch.all((q == n) | (q % 64 == 0) | (q < 64)) and bool((q < n).any())
     assert layer.last_selection["pairs"].numel() == int(q.sum())
+
+
+def test_metric_mass_is_each_experts_summed_metric_bit_for_bit_again():
+    """"metric_mass"'s per-expert mass, from which the next step's quotas come, is each expert's summed pair metric
+    g_p ||dout_t|| ||x_t|| (against fp64), and the same bit for bit when the same step runs again (a segmented sum:
+    index_add_'s atomics summed in a varying order on CUDA, and a last-bit change in a mass can move a quota)."""
+    torch.manual_seed(0)
+    layer = lrmoe_ds.LRMoE(H, num_experts=E, k=K, ffn_hidden_size=F).cuda().bfloat16()
+    layer.configure(lrmoe_ds.LRMoEConfig(enabled=True, retention_ratio=0.5, quota_allocation="metric_mass"))
+    x = torch.randn(8192, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    masses = []
+    for _ in range(3):  # the weights do not change: every step routes and weighs the same pairs
+        out = layer(x)[0]
+        out.float().square().sum().backward()
+        masses.append(layer._metric_mass[0].get().clone())
+    assert torch.equal(masses[1], masses[2]) and torch.equal(masses[0], masses[1])
+    routing = layer.deepspeed_moe.gate(x.detach())
+    dout_norm = (2 * out.detach().float()).to(torch.bfloat16).double().norm(dim=1)  # dout as the backward got it
+    metric = routing.topk_weight.double() * (dout_norm * x.detach().double().norm(dim=1)).unsqueeze(1)
+    ref = torch.zeros(E, dtype=torch.float64, device="cuda").index_add_(0, routing.topk_index.reshape(-1),
+                                                                        metric.reshape(-1)).cpu()
+    assert (masses[0].double() - ref).abs().max() <= 2e-3 * ref.abs().max()
