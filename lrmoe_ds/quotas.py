@@ -275,7 +275,7 @@ def plan_quotas(counts: torch.Tensor, retention_ratio: float = 1.0, ep_size: int
     nv = _counts_np(n)
     budget = target_pairs(retention_ratio, int(nv.sum()))
     if allocation == "proportional":
-        q = _counts_np(_scale(n, budget, generator)).copy()
+        q = _counts_np(_scale(n, budget, generator))
     elif allocation == "metric_mass":
         q = _mass_fill_np(nv, budget, np.asarray(weights.detach().cpu(), dtype=np.float64), granule)
     else:
@@ -291,8 +291,8 @@ def plan_quotas(counts: torch.Tensor, retention_ratio: float = 1.0, ep_size: int
     for r, cap in enumerate(caps):
         if math.isfinite(cap) and int(per_rank[r].sum()) > cap:
             # a rank over its cap is cut by the water-fill ("proportional": the same fraction, in the fixed order)
-            per_rank[r] = _counts_np(_scale(torch.from_numpy(per_rank[r].copy()), int(cap))) \
-                if allocation == "proportional" else _level_np(per_rank[r].copy(), int(cap), granule)
+            per_rank[r] = _counts_np(_scale(torch.from_numpy(per_rank[r]), int(cap))) \
+                if allocation == "proportional" else _level_np(per_rank[r], int(cap), granule)
     if floor > 0:
         q = np.maximum(q, np.minimum(nv, _counts_np(floor_pairs(floor, n))))
     return torch.from_numpy(q).view_as(n)
