@@ -40,8 +40,8 @@ def run_spec(run, args):
     metric_mass replaced it, so the recorded commands still mean what they did); "metric_mass", "proportional" and
     "threshold" name their split. "ramp": grad_norm sampling at ``args.ratio`` until ``args.ramp_start`` of the
     steps, then a linear rise to exact (1.0) at the last step (``retention_schedule``). "warm": the default split
-    (metric_mass), exact for the first ``args.warm_steps`` steps, then the ratio that keeps the run's mean retention at
-    ``args.ratio`` (the same expert backward work as a flat ``args.ratio``)."""
+    (metric_mass), exact for the first ``args.warm_steps`` steps, then ``args.warm_after``, by default the ratio that
+    keeps the run's mean retention at ``args.ratio`` (the same expert backward work as a flat ``args.ratio``)."""
     label, block = _run_spec(run, args)
     if block.get("enabled") and "quota_allocation" not in block:
         block["quota_allocation"] = "waterfill"
@@ -76,10 +76,11 @@ def _run_spec(run, args):
         if not args.steps:
             raise SystemExit("--runs warm needs --steps")
         n = args.warm_steps  # steps 0 .. n-1 exact
-        after = (ratio * args.steps - n) / (args.steps - n)
-        if n < 1 or not 0.0 < after <= ratio:
-            raise SystemExit(f"--warm_steps {n} of {args.steps} leaves no ratio in (0, {ratio:g}] for the mean {ratio:g}")
-        return (f"exact for {n} steps, then {after:.3f} (mean {ratio:g})",
+        after = args.warm_after if args.warm_after is not None else (ratio * args.steps - n) / (args.steps - n)
+        if n < 1 or not 0.0 < after <= 1.0:
+            raise SystemExit(f"--warm_steps {n} of {args.steps} leaves no ratio in (0, 1] for the mean {ratio:g}")
+        mean = (n + (args.steps - n) * after) / args.steps
+        return (f"exact for {n} steps, then {after:.3f} (mean {mean:.3g})",
                 {"enabled": True, "metric": "grad_norm", "quota_allocation": "metric_mass",
                  "retention_schedule": [[0, 1.0], [n - 1, 1.0], [n, after]]})
     return f"retention {ratio:g}, {run}", {"enabled": True, "retention_ratio": ratio, "metric": run}
@@ -103,7 +104,9 @@ def parse_args(argv=None):
     p.add_argument("--ramp_start", type=float, default=0.6,
                    help="the ramp run: fraction of the steps at --ratio before its linear rise to exact")
     p.add_argument("--warm_steps", type=int, default=50,
-                   help="the warm run: exact steps before the sampling starts (the mean retention stays --ratio)")
+                   help="the warm run: exact steps before the sampling starts")
+    p.add_argument("--warm_after", type=float, default=None,
+                   help="the warm run's ratio after its exact steps (default: the one that keeps the mean at --ratio)")
     p.add_argument("--name", default=None, help="results are convergence_<name>.md/.png (default: the config's name)")
     p.add_argument("--out_dir", default=os.path.join(ROOT, "benchmarks", "results"))
     p.add_argument("--work_dir", default=None, help="configs, logs, summaries, csv (default: runs/convergence_<name>)")
