@@ -82,7 +82,7 @@ def _run_spec(run, args):
         mean = (n + (args.steps - n) * after) / args.steps
         return (f"exact for {n} steps, then {after:.3f} (mean {mean:.3g})",
                 {"enabled": True, "metric": "grad_norm", "quota_allocation": "metric_mass",
-                 "retention_schedule": [[0, 1.0], [n - 1, 1.0], [n, after]]})
+                 "retention_schedule": [[0, 1.0]] + ([[n - 1, 1.0]] if n > 1 else []) + [[n, after]]})
     return f"retention {ratio:g}, {run}", {"enabled": True, "retention_ratio": ratio, "metric": run}
 
 

@@ -58,3 +58,16 @@ def test_without_matplotlib_the_report_stands_and_the_plot_is_skipped(monkeypatc
     png = tmp_path / "c.png"
     assert convergence.write_plot(args, [result("exact", 1, 2.0, [(0, 5.0)])], str(png), False) is None
     assert not png.exists() and "no plot" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("warm_steps", [1, 50])
+def test_warm_run_is_exact_then_keeps_the_mean_retention(warm_steps):
+    from lrmoe_ds import LRMoEConfig
+    args = convergence.parse_args(["--base_config", "x.json", "--steps", "500", "--warm_steps", str(warm_steps)])
+    label, block = convergence.run_spec("warm", args)
+    cfg = LRMoEConfig(**block)  # a schedule the config accepts
+    ratios = [cfg.retention_at(step) for step in range(500)]
+    assert ratios[:warm_steps] == [1.0] * warm_steps and len(set(ratios[warm_steps:])) == 1
+    assert sum(ratios) / 500 == pytest.approx(0.5) and "mean 0.5" in label
+    after = convergence.parse_args(["--base_config", "x.json", "--steps", "500", "--warm_after", "0.5"])
+    assert convergence.run_spec("warm", after)[1]["retention_schedule"][-1] == [50, 0.5]
