@@ -17,7 +17,7 @@ import torch
 from lrmoe_ds import ops
 from lrmoe_ds.dispatcher import AllToAllDispatcher, DispatchPlan, to_device
 from lrmoe_ds.experts import BackwardRows, mlp_backward, mlp_forward
-from lrmoe_ds.retention import BackwardSpec, pair_metric, select_retained
+from lrmoe_ds.retention import BackwardSpec, select_retained
 
 
 def _rank(dispatcher: AllToAllDispatcher) -> int:
@@ -158,35 +158,34 @@ class RoutedMLP(torch.autograd.Function):
                                "the forward and its backward (e.g. an optimizer step before the backward)")
         T, K = plan.row_of_pair.shape
         dout = dout.contiguous()
-        src = plan.order // K                                           # send row -> token
-        weight_of_row = topk_weight.reshape(-1).index_select(0, plan.order)
         want_router = ctx.needs_input_grad[1]
         exact_router = want_router and y_src is not None                # else <y, dy> from the rows, below
         shares, replicas = spec.shares, spec.replicas
         d_weight = dy = dropped_dots = None
-        if exact_router and shares is None:  # the combine's two gradients (dy_p = w_p dout_t) from one read of dout
-            dy, d_weight = ops.unpermute_backward(y_src, plan.row_of_pair, topk_weight, dout)
-            d_weight = d_weight.to(topk_weight.dtype)
-
-        kept = kept_pairs = None
-        splits, gate, row_weight = plan, weight_of_row, weight_of_row   # gate g_p and dy's weight, per send row
         if replicas is not None and spec.policy != "recompute":
             raise RuntimeError("replicas run retained rows under the recompute policy only (a stash stays at home)")
-        if shares is not None:
+        kept = kept_pairs = None
+        splits = plan
+        if shares is None:
+            src = plan.order // K                                       # send row -> token
+            weight_of_row = topk_weight.reshape(-1).index_select(0, plan.order)
+            gate = row_weight = weight_of_row                           # g_p and dy's weight, per send row
+            if exact_router:  # the combine's two gradients (dy_p = w_p dout_t) from one read of dout
+                dy, d_weight = ops.unpermute_backward(y_src, plan.row_of_pair, topk_weight, dout)
+                d_weight = d_weight.to(topk_weight.dtype)
+        else:
             rank = _rank(disp)
-            dout_norm = _row_norms(dout) if spec.metric == "grad_norm" else None
-            metric = pair_metric(spec.metric, weight_of_row,
-                                 None if dout_norm is None else dout_norm.index_select(0, src),
-                                 None if x_norm is None else x_norm.index_select(0, src))
             if disp.ep_size == 1:  # this rank's counts and quotas are on the device already: no more copies
                 splits = disp.compact(shares, dout.device)
                 sizes, quotas = plan.group_sizes, splits.group_sizes
             else:
                 sizes, quotas = to_device(plan.all_counts[rank], dout.device), to_device(shares[rank], dout.device)
-            if spec.on_mass is not None:  # "metric_mass": each expert's summed metric plans the next step's quotas
-                # the pairs are grouped by expert: a segmented sum, in a fixed order on CUDA too (index_add_'s atomics
-                # were not, and a last-bit change in a mass can move a quota); unsafe: no check that reads sizes back
-                mass = torch.segment_reduce(metric.float(), "sum", lengths=sizes, unsafe=True)
+            # the send rows' gates, the metric m_p, and with "metric_mass" each expert's summed metric (in a fixed
+            # order: a last-bit change in a mass can move a quota), which plans the next step's quotas
+            weight_of_row, metric, mass = ops.retention_metric(
+                plan.order, topk_weight, spec.metric, _row_norms(dout) if spec.metric == "grad_norm" else None,
+                x_norm, sizes if spec.on_mass is not None else None)
+            if mass is not None:
                 spec.on_mass(disp.sum_over_group(mass))
             total = None if spec.totals is None else spec.totals[rank]
             kept, scale, kept_sizes = select_retained(metric, sizes, quotas, spec.selection, spec.seed,

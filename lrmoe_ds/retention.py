@@ -55,19 +55,6 @@ class BackwardSpec:
     on_mass: Optional[Callable[[torch.Tensor], None]] = None
 
 
-def pair_metric(metric: Metric, gate: torch.Tensor, dout_norm: Optional[torch.Tensor],
-                x_norm: Optional[torch.Tensor]) -> torch.Tensor:
-    """m_p for each pair: g_p ||dy_t|| ||x_t|| ("grad_norm": the size of p's rank-1 term in its
-    expert's weight gradient), g_p ("gate"), or 1 ("uniform"). All arguments per pair [P]."""
-    if metric == "grad_norm":
-        return gate.float() * dout_norm * x_norm
-    if metric == "gate":
-        return gate.float()
-    if metric == "uniform":
-        return torch.ones_like(gate, dtype=torch.float32)
-    raise ValueError(f"unknown retention metric {metric!r}")
-
-
 _generators = {}  # one per device, reseeded for every selection (cheaper than a new one each time)
 
 

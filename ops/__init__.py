@@ -203,6 +203,18 @@ def retained_pairs(kept: torch.Tensor, scale: torch.Tensor, order: torch.Tensor,
     return _select("retained_pairs", backend, kept, takes)(kept, scale, order, weight_of_row, k, rescale)
 
 
+def retention_metric(order: torch.Tensor, topk_weight: torch.Tensor, metric: str,
+                     dout_norm: Optional[torch.Tensor] = None, x_norm: Optional[torch.Tensor] = None,
+                     group_sizes: Optional[torch.Tensor] = None, backend: Optional[str] = None):
+    """The send rows' gates and retention metric, and each group's metric mass with ``group_sizes``:
+    ``(weight_of_row [P], metric [P] float32, mass [G] float32 or None)``; see reference.retention_metric.
+    The CUDA op takes float32/16 or bfloat16 gates and float32 norms ("auto" runs others on the reference)."""
+    takes = topk_weight.dtype in (torch.float32, torch.float16, torch.bfloat16) and all(
+        n is None or n.dtype == torch.float32 for n in (dout_norm, x_norm))
+    return _select("retention_metric", backend, order, takes)(order, topk_weight, metric, dout_norm, x_norm,
+                                                               group_sizes)
+
+
 def capacity_route(pair_group, pair_rank, instance_group, instance_rank, instance_capacity,
                    backend: Optional[str] = None) -> torch.Tensor:
     """Assign retained pairs to expert instances under capacities: pair_instance [P] (-1: fits nowhere)."""

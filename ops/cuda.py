@@ -210,6 +210,25 @@ def retained_pairs(kept: torch.Tensor, scale: torch.Tensor, order: torch.Tensor,
     return kept_pairs, src, gate, row_weight, kept_row_of_pair, pair_weight
 
 
+def retention_metric(order: torch.Tensor, topk_weight: torch.Tensor, metric: str, dout_norm=None, x_norm=None,
+                     group_sizes=None):
+    if metric not in reference.RETENTION_METRICS:
+        raise ValueError(f"unknown retention metric {metric!r}; expected one of {', '.join(reference.RETENTION_METRICS)}")
+    if metric == "grad_norm" and (dout_norm is None or x_norm is None):
+        raise ValueError('retention_metric: "grad_norm" needs dout_norm and x_norm')
+    dev, P = order.device, order.numel()
+    weight_of_row = torch.empty(P, dtype=topk_weight.dtype, device=dev)
+    m = torch.empty(P, dtype=torch.float32, device=dev)
+    sizes = mass = None
+    if group_sizes is not None:
+        sizes = _long_on(group_sizes, dev)
+        mass = torch.empty(sizes.numel(), dtype=torch.float32, device=dev)
+    norms = (None, None) if metric != "grad_norm" else (dout_norm.contiguous(), x_norm.contiguous())
+    load().retention_metric(order.contiguous(), topk_weight.contiguous(), reference.RETENTION_METRICS.index(metric),
+                            *norms, sizes, weight_of_row, m, mass)
+    return weight_of_row, m, mass
+
+
 def capacity_route(pair_group, pair_rank, instance_group, instance_rank, instance_capacity) -> torch.Tensor:
     dev = pair_group.device
     args = [_long_on(t, dev) for t in (pair_group, pair_rank, instance_group, instance_rank, instance_capacity)]

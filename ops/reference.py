@@ -294,6 +294,43 @@ def priority_sample(metric: torch.Tensor, group_sizes: torch.Tensor, quotas: tor
     return kept, scale, kept_sizes, tau
 
 
+RETENTION_METRICS = ("grad_norm", "gate", "uniform")
+
+
+def retention_metric(order: torch.Tensor, topk_weight: torch.Tensor, metric: str,
+                     dout_norm: Optional[torch.Tensor] = None, x_norm: Optional[torch.Tensor] = None,
+                     group_sizes: Optional[torch.Tensor] = None):
+    """The send rows' gates and retention metric, and each group's metric mass, from the routing's order.
+
+    Args:
+        order [P] int64: send row -> pair (pair = token * K + slot); topk_weight [T, K]: the gates; metric:
+        "grad_norm" (m_p = g_p ||dout_t|| ||x_t||, the size of p's rank-1 term in its expert's weight gradient),
+        "gate" (g_p) or "uniform" (1); dout_norm, x_norm [T]: the tokens' row norms ("grad_norm" only);
+        group_sizes [G] int64 or None: the send rows' groups (consecutive runs), for the mass.
+    Returns:
+        weight_of_row [P] (topk_weight's dtype, its entry at order); metric [P]
+        (float32; for "grad_norm" (g_p ||dout_t||) ||x_t|| in the norms' promoted dtype); mass [G] float32 (each
+        group's summed metric) or None without group_sizes.
+    """
+    if metric not in RETENTION_METRICS:
+        raise ValueError(f"unknown retention metric {metric!r}; expected one of {', '.join(RETENTION_METRICS)}")
+    if metric == "grad_norm" and (dout_norm is None or x_norm is None):
+        raise ValueError('retention_metric: "grad_norm" needs dout_norm and x_norm')
+    weight_of_row = topk_weight.reshape(-1).index_select(0, order)
+    if metric == "grad_norm":
+        src = torch.div(order, topk_weight.shape[1], rounding_mode="floor")
+        m = weight_of_row.float() * dout_norm.index_select(0, src) * x_norm.index_select(0, src)
+    elif metric == "gate":
+        m = weight_of_row.float()
+    else:
+        m = torch.ones(order.numel(), dtype=torch.float32, device=order.device)
+    mass = None
+    if group_sizes is not None:
+        # in a fixed order (a segmented sum), so the same inputs give the same mass bits
+        mass = torch.segment_reduce(m.float(), "sum", lengths=group_sizes.to(m.device), unsafe=True)
+    return weight_of_row, m, mass
+
+
 def retained_pairs(kept: torch.Tensor, scale: torch.Tensor, order: torch.Tensor, weight_of_row: torch.Tensor,
                    k: int, rescale: bool = True):
     """The retained pairs' maps, from the kept send rows (grouped positions) and their weights.

@@ -121,6 +121,30 @@ def test_retained_pairs_against_loop(rescale):
         ref.retained_pairs(kept, scale, order, weight_of_row, 4)
 
 
+@pytest.mark.parametrize("metric", ["grad_norm", "gate", "uniform"])
+def test_retention_metric_against_loop(metric):
+    gen = torch.Generator().manual_seed(4)
+    T, K = 6, 2
+    order = torch.randperm(T * K, generator=gen)
+    topk_weight = torch.rand(T, K, generator=gen).to(torch.bfloat16)
+    dout_norm, x_norm = torch.rand(T, generator=gen), torch.rand(T, generator=gen)
+    sizes = torch.tensor([0, 5, 0, 7])
+    w, m, mass = ref.retention_metric(order, topk_weight, metric, dout_norm, x_norm, sizes)
+    pairs = order.tolist()
+    assert w.dtype == torch.bfloat16 and w.tolist() == [float(topk_weight.view(-1)[p]) for p in pairs]
+    expected = {"grad_norm": [float(topk_weight.view(-1)[p]) * float(dout_norm[p // K]) * float(x_norm[p // K])
+                              for p in pairs],
+                "gate": [float(topk_weight.view(-1)[p]) for p in pairs], "uniform": [1.0] * (T * K)}[metric]
+    assert m.dtype == torch.float32 and m.tolist() == pytest.approx(expected, rel=1e-6)
+    assert mass.dtype == torch.float32 and mass.tolist() == pytest.approx(
+        [0.0, sum(expected[:5]), 0.0, sum(expected[5:])], rel=1e-6)
+    assert ref.retention_metric(order, topk_weight, metric, dout_norm, x_norm)[2] is None
+    with pytest.raises(ValueError, match="unknown retention metric 'norm'"):
+        ref.retention_metric(order, topk_weight, "norm")
+    with pytest.raises(ValueError, match="needs dout_norm and x_norm"):
+        ref.retention_metric(order, topk_weight, "grad_norm", dout_norm)
+
+
 def test_capacity_route():
     # expert 0: instance 0 on rank 0 (cap 3), instance 1 on rank 1 (cap 1); expert 1: instance 2, cap 0
     out = ref.capacity_route(torch.tensor([0, 0, 0, 0, 1]), torch.tensor([0, 1, 1, 1, 0]),

@@ -31,6 +31,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("summary"));
   m.def("retained_pairs", &lrmoe::retained_pairs_op,
         "the retained pairs' maps: kept_pairs, src, gate, row_weight, kept_row_of_pair, pair_weight");
+  m.def("retention_metric", &lrmoe::retention_metric_op,
+        "the send rows' gates and retention metric (0 grad_norm, 1 gate, 2 uniform), and each group's metric mass",
+        pybind11::arg("order"), pybind11::arg("topk_weight"), pybind11::arg("metric_kind"), pybind11::arg("dout_norm"),
+        pybind11::arg("x_norm"), pybind11::arg("group_sizes"), pybind11::arg("weight_of_row"),
+        pybind11::arg("metric"), pybind11::arg("mass"));
   m.def("capacity_route", &lrmoe::capacity_route_op, "assign retained pairs to instances under capacities");
   m.def("router_topk", &lrmoe::router_topk_op,
         "the router's top-k math: topk_index, topk_weight, counts, prob_sum from fp32 logits");

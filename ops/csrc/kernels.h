@@ -72,6 +72,13 @@ size_t priority_sample(const float* metric, const float* u, int64_t P, const int
 void retained_pairs(const int64_t* kept, const float* scale, int64_t n_kept, const int64_t* order, int64_t P, int64_t K,
                     const void* weight_of_row, DType wtype, bool rescale, int64_t* kept_pairs, int64_t* src, void* gate,
                     void* row_weight, int64_t* kept_row_of_pair, void* pair_weight, cudaStream_t stream);
+// The send rows' gates and retention metric (reference.retention_metric) from order [P] int64 and
+// topk_weight [P / K, K]: weight_of_row [P] (topk_weight's dtype), metric [P] fp32; metric_kind 0
+// "grad_norm" (dout_norm, x_norm [P / K] fp32), 1 "gate", 2 "uniform". With mass (not nullptr): mass [G] fp32, each
+// group's summed metric, the groups consecutive runs of group_sizes [G] int64 send rows (summing to P).
+void retention_metric(const int64_t* order, int64_t P, int64_t K, const void* topk_weight, DType wtype, int metric_kind,
+                      const float* dout_norm, const float* x_norm, const int64_t* group_sizes, int64_t G,
+                      void* weight_of_row, float* metric, float* mass, cudaStream_t stream);
 // The router's top-k math; see router.cu and ops/reference.py router_topk. logits [T, E] fp32 -> topk_index
 // [T, K] int64, topk_weight [T, K] fp32, counts [E] int64, prob_sum [E] fp32; score_bias [E] fp32 or nullptr.
 // 1 <= K <= E <= kRouterMaxExperts.

@@ -335,6 +335,52 @@ void retained_pairs_op(const at::Tensor& kept, const at::Tensor& scale, const at
                  stream());
 }
 
+void retention_metric_op(const at::Tensor& order, const at::Tensor& topk_weight, int64_t metric_kind,
+                         const c10::optional<at::Tensor>& dout_norm, const c10::optional<at::Tensor>& x_norm,
+                         const c10::optional<at::Tensor>& group_sizes, at::Tensor& weight_of_row, at::Tensor& metric,
+                         const c10::optional<at::Tensor>& mass) {
+  check_cuda(order, "retention_metric: order");
+  check_cuda(topk_weight, "retention_metric: topk_weight");
+  LRMOE_CHECK(order.scalar_type() == at::kLong && order.dim() == 1, "retention_metric: order must be 1-d int64");
+  LRMOE_CHECK(topk_weight.dim() == 2 && topk_weight.device() == order.device(),
+              "retention_metric: topk_weight must be [T, K] on ", order.device());
+  LRMOE_CHECK(metric_kind >= 0 && metric_kind <= 2, "retention_metric: metric_kind must be 0, 1 or 2, got ", metric_kind);
+  const int64_t P = order.numel(), K = topk_weight.size(1), T = topk_weight.size(0);
+  LRMOE_CHECK(P == T * K, "retention_metric: ", P, " send rows for ", T, " x ", K, " pairs");
+  LRMOE_CHECK(P <= kMaxPairs, "retention_metric: at most 2^31-1 pairs, got ", P);
+  const DType wt = dtype_of(topk_weight, "retention_metric: topk_weight");
+  const float* norms[2] = {nullptr, nullptr};
+  if (metric_kind == 0) {
+    const c10::optional<at::Tensor>* given[2] = {&dout_norm, &x_norm};
+    const char* names[2] = {"retention_metric: dout_norm", "retention_metric: x_norm"};
+    for (int i = 0; i < 2; ++i) {
+      LRMOE_CHECK(given[i]->has_value(), names[i], " is needed for the grad_norm metric");
+      const at::Tensor& n = **given[i];
+      check_cuda(n, names[i]);
+      LRMOE_CHECK(n.scalar_type() == at::kFloat && n.numel() == T && n.device() == order.device(), names[i],
+                  " must be float32 with one entry per token (", T, ") on ", order.device(), "; got ", n.scalar_type(),
+                  " ", n.sizes());
+      norms[i] = n.data_ptr<float>();
+    }
+  }
+  check_out(weight_of_row, {P}, topk_weight.scalar_type(), order, "retention_metric: weight_of_row");
+  check_out(metric, {P}, at::kFloat, order, "retention_metric: metric");
+  LRMOE_CHECK(group_sizes.has_value() == mass.has_value(), "retention_metric: give group_sizes and mass together");
+  int64_t G = 0;
+  if (group_sizes.has_value()) {
+    check_cuda(*group_sizes, "retention_metric: group_sizes");
+    LRMOE_CHECK(group_sizes->scalar_type() == at::kLong && group_sizes->dim() == 1 &&
+                group_sizes->device() == order.device(), "retention_metric: group_sizes must be 1-d int64 on ",
+                order.device());
+    G = group_sizes->numel();
+    check_out(*mass, {G}, at::kFloat, order, "retention_metric: mass");
+  }
+  const c10::cuda::CUDAGuard guard(order.device());
+  retention_metric(order.data_ptr<int64_t>(), P, K, topk_weight.data_ptr(), wt, (int)metric_kind, norms[0], norms[1],
+                   G ? group_sizes->data_ptr<int64_t>() : nullptr, G, weight_of_row.data_ptr(),
+                   metric.data_ptr<float>(), mass.has_value() ? mass->data_ptr<float>() : nullptr, stream());
+}
+
 void capacity_route_op(const at::Tensor& pair_group, const at::Tensor& pair_rank, const at::Tensor& instance_group,
                        const at::Tensor& instance_rank, const at::Tensor& instance_capacity, at::Tensor& out) {
   const std::pair<const at::Tensor*, const char*> all[] = {

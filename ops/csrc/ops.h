@@ -49,6 +49,10 @@ void priority_sample_op(const at::Tensor& metric, const c10::optional<at::Tensor
 void retained_pairs_op(const at::Tensor& kept, const at::Tensor& scale, const at::Tensor& order,
                        const at::Tensor& weight_of_row, int64_t k, bool rescale, at::Tensor& kept_pairs, at::Tensor& src,
                        at::Tensor& gate, at::Tensor& row_weight, at::Tensor& kept_row_of_pair, at::Tensor& pair_weight);
+void retention_metric_op(const at::Tensor& order, const at::Tensor& topk_weight, int64_t metric_kind,
+                         const c10::optional<at::Tensor>& dout_norm, const c10::optional<at::Tensor>& x_norm,
+                         const c10::optional<at::Tensor>& group_sizes, at::Tensor& weight_of_row, at::Tensor& metric,
+                         const c10::optional<at::Tensor>& mass);
 void capacity_route_op(const at::Tensor& pair_group, const at::Tensor& pair_rank, const at::Tensor& instance_group,
                        const at::Tensor& instance_rank, const at::Tensor& instance_capacity, at::Tensor& out);
 void router_topk_op(const at::Tensor& logits, int64_t k, bool use_sigmoid, bool norm_topk_prob,

@@ -1,5 +1,6 @@
 // Quota-aware top-k retention and capacity routing. Device-side and deterministic (stable radix
 // sorts, no floating-point atomics); no host synchronisation (the caller reads `summary` once).
+#include <cub/block/block_reduce.cuh>
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
 #include <cub/device/device_select.cuh>
@@ -132,6 +133,48 @@ __global__ void retained_pairs_kernel(const int64_t* __restrict__ kept, const fl
     kept_row_of_pair[p] = i;
     pair_weight[p] = w;
   }
+}
+
+// The send rows' gates and retention metric (reference.retention_metric). kMetric: 0 "grad_norm"
+// ((g ||dout|| ) ||x||: the reference's two fp32 products in its order, so the same bits), 1 "gate", 2 "uniform".
+template <typename w_t, int kMetric>
+__global__ void retention_metric_kernel(const int64_t* __restrict__ order, int64_t P, int64_t K,
+                                        const w_t* __restrict__ topk_weight, const float* __restrict__ dout_norm,
+                                        const float* __restrict__ x_norm, w_t* __restrict__ weight_of_row,
+                                        float* __restrict__ metric) {
+  for (int64_t r = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; r < P; r += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t p = order[r];
+    LRMOE_DEVICE_ASSERT(p >= 0 && p < P, "retention_metric: order must map send rows to pairs in [0, P)");
+    const int64_t t = p / K;
+    const w_t g = topk_weight[p];
+    weight_of_row[r] = g;
+    if constexpr (kMetric == 0) metric[r] = to_float(g) * dout_norm[t] * x_norm[t];
+    else if constexpr (kMetric == 1) metric[r] = to_float(g);
+    else metric[r] = 1.0f;
+  }
+}
+
+// Each group's summed metric, one block per group: its offset from the sizes before it, then a block reduction
+// in a fixed order (no atomics: the same inputs give the same bits; a last-bit change can move a quota).
+constexpr int kMassThreads = 256;
+__global__ void group_mass_kernel(const float* __restrict__ metric, int64_t P, const int64_t* __restrict__ group_sizes,
+                                  float* __restrict__ mass) {
+  using SizeSum = cub::BlockReduce<int64_t, kMassThreads>;
+  using MassSum = cub::BlockReduce<float, kMassThreads>;
+  __shared__ union { typename SizeSum::TempStorage sizes; typename MassSum::TempStorage mass; } temp;
+  __shared__ int64_t start;
+  const int64_t g = blockIdx.x;
+  int64_t before = 0;
+  for (int64_t i = threadIdx.x; i < g; i += kMassThreads) before += group_sizes[i];
+  before = SizeSum(temp.sizes).Sum(before);
+  if (threadIdx.x == 0) start = before;
+  __syncthreads();
+  const int64_t begin = start, end = begin + group_sizes[g];
+  LRMOE_DEVICE_ASSERT(group_sizes[g] >= 0 && end <= P, "retention_metric: group_sizes must be >= 0 and sum to P");
+  float sum = 0.f;
+  for (int64_t r = begin + threadIdx.x; r < end; r += kMassThreads) sum += metric[r];
+  sum = MassSum(temp.mass).Sum(sum);
+  if (threadIdx.x == 0) mass[g] = sum;
 }
 
 // ---- capacity routing -------------------------------------------------------------------------
@@ -378,6 +421,29 @@ void retained_pairs(const int64_t* kept, const float* scale, int64_t n_kept, con
           kept_row_of_pair, static_cast<w_t*>(pair_weight));
   });
   LRMOE_LAUNCH_CHECK("retained_pairs");
+}
+
+void retention_metric(const int64_t* order, int64_t P, int64_t K, const void* topk_weight, DType wtype, int metric_kind,
+                      const float* dout_norm, const float* x_norm, const int64_t* group_sizes, int64_t G,
+                      void* weight_of_row, float* metric, float* mass, cudaStream_t stream) {
+  if (P > 0) {
+    dispatch_float(wtype, [&](auto tag) {
+      using w_t = decltype(tag);
+      const auto* w = static_cast<const w_t*>(topk_weight);
+      auto* wr = static_cast<w_t*>(weight_of_row);
+      if (metric_kind == 0)
+        retention_metric_kernel<w_t, 0><<<grid_for(P), 256, 0, stream>>>(order, P, K, w, dout_norm, x_norm, wr, metric);
+      else if (metric_kind == 1)
+        retention_metric_kernel<w_t, 1><<<grid_for(P), 256, 0, stream>>>(order, P, K, w, dout_norm, x_norm, wr, metric);
+      else
+        retention_metric_kernel<w_t, 2><<<grid_for(P), 256, 0, stream>>>(order, P, K, w, dout_norm, x_norm, wr, metric);
+    });
+    LRMOE_LAUNCH_CHECK("retention_metric");
+  }
+  if (mass != nullptr && G > 0) {
+    group_mass_kernel<<<(unsigned)G, kMassThreads, 0, stream>>>(metric, P, group_sizes, mass);
+    LRMOE_LAUNCH_CHECK("retention_metric: mass");
+  }
 }
 
 size_t capacity_route(const void* pair_group, const void* pair_rank, IType ptype, int64_t P, const void* instance_group,
