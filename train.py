@@ -533,7 +533,9 @@ def main(argv=None):
     summary = {"start_step": start_step, "end_step": step, "start_loss": start_loss, "end_loss": end_loss,
                "evals": evals, "seconds": wall, "train_seconds": train_time, "tokens": tokens,
                "tokens_per_s": tokens / max(train_time, 1e-9),
-               "world": world, "ep_size": args.ep_size, "moe_impl": args.moe_impl, "arch": args.arch}
+               "world": world, "ep_size": args.ep_size, "moe_impl": args.moe_impl, "arch": args.arch,
+               # the GPU's peak allocated memory of this rank over the run (None on CPU ranks)
+               "peak_memory_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None}
     log(f"final: held-out loss {start_loss:.4f} -> {end_loss:.4f} nats/byte (step {start_step} -> {step}), "
         f"{tokens} tokens, {wall:.0f} s ({tokens / max(train_time, 1e-9):.0f} tokens/s in training)")
     if rank == 0 and args.summary_json:

@@ -135,10 +135,12 @@ def read_csv(path):
         return [(int(float(r[0])), float(r[1])) for r in list(csv.reader(f))[1:] if r]
 
 
-def launch(args, run, base, seed):
-    """Run train.py for one run and seed; returns its result dict (summary, curves, rc, wall seconds)."""
+def launch(args, run, base, seed, block=None, extra=()):
+    """Run train.py for one run and seed; returns its result dict (summary, curves, rc, wall seconds).
+    block: the keys set in the "lrmoe" block (default: ``run_spec``'s for ``run``); extra: train.py flags of this
+    run alone, before ``args.extra`` (benchmarks/bench_train.py launches DeepSpeed's MoE this way)."""
     config = json.loads(json.dumps(base))
-    config["lrmoe"] = {**(config.get("lrmoe") or {}), **run_spec(run, args)[1]}
+    config["lrmoe"] = {**(config.get("lrmoe") or {}), **(run_spec(run, args)[1] if block is None else block)}
     if args.micro_batch:
         config["train_micro_batch_size_per_gpu"] = args.micro_batch
         config.pop("train_batch_size", None)  # derived again by DeepSpeed from the micro batch
@@ -163,7 +165,8 @@ def launch(args, run, base, seed):
                                                                                   "deepspeed.launcher.runner"]
         cmd = launcher + ["--num_gpus", str(args.num_gpus), "--master_port", str(port), os.path.join(ROOT, "train.py"),
                           "--deepspeed_config", cfg_path, "--summary_json", summary, "--seed", str(seed),
-                          "--save_dir", ""] + (["--steps", str(args.steps)] if args.steps else []) + args.extra
+                          "--save_dir", ""] + (["--steps", str(args.steps)] if args.steps else []) + list(extra) + \
+            args.extra
         print(f"[{run} seed {seed}] {shlex.join(cmd)}\n[{run} seed {seed}] log: {log_path}", flush=True)
         t0 = time.time()
         with open(log_path, "w") as log:
@@ -177,7 +180,8 @@ def launch(args, run, base, seed):
     result = {"run": run, "seed": seed, "rc": rc, "wall": wall, "log": log_path, "summary": None,
               "train": read_csv(os.path.join(csv_dir, "Train_loss.csv")),
               "eval": read_csv(os.path.join(csv_dir, "Eval_loss.csv")),
-              "grad_norm": read_csv(os.path.join(csv_dir, "Train_grad_norm.csv"))}
+              "grad_norm": read_csv(os.path.join(csv_dir, "Train_grad_norm.csv")),
+              "tokens_per_s": read_csv(os.path.join(csv_dir, "Train_tokens_per_s.csv"))}
     if rc == 0 and os.path.exists(summary):
         with open(summary) as f:
             result["summary"] = json.load(f)
