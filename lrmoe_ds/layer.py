@@ -4,7 +4,7 @@ forward: route -> plan -> dispatch -> experts -> combine; the backward runs back
 stages, the experts' backward on the retained pairs alone when the "lrmoe" block enables retention.
 """
 import hashlib
-from typing import Callable, Literal, Optional, Tuple
+from typing import Literal, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -36,16 +36,6 @@ class RoutedExperts(nn.Module):
 
     def _set_ep_group(self, ep_group):
         self.dispatcher.ep_group = ep_group
-
-
-def _once(fn: Callable[[], None]) -> Callable[[], None]:
-    """``fn`` to be called by whichever caller comes first; the later calls do nothing (and hold nothing)."""
-    box = [fn]
-
-    def call():
-        if box:
-            box.pop()()
-    return call
 
 
 class LRMoE(MoE):
@@ -123,8 +113,7 @@ class LRMoE(MoE):
         self.lrmoe_config = LRMoEConfig()
         self.layer_number = 0
         self.memory_plan = MemoryPlan()          # the memory planner overwrites it
-        self._last_stats: Optional[RetentionStats] = None
-        self._pending_plan: Optional[Callable[[], None]] = None  # the last training forward's unplanned quotas
+        self.last_stats: Optional[RetentionStats] = None
         self.last_selection: Optional[dict] = None  # filled by the backward when keep_last_selection
         self.keep_last_selection = False
         # training forwards with grad so far: seeds the retention sampling; a buffer, so checkpoints restore it.
@@ -134,19 +123,6 @@ class LRMoE(MoE):
         # the optimizer step, set by the memory planner under lrmoe_ds.initialize (the retention schedule's
         # clock); None: the schedule follows the training forwards instead
         self.optimizer_step: Optional[int] = None
-
-    @property
-    def last_stats(self) -> Optional[RetentionStats]:
-        """The last training forward's :class:`RetentionStats` (its quotas planned now, where its backward has not
-        planned them yet), or None."""
-        pending, self._pending_plan = self._pending_plan, None
-        if pending is not None:
-            pending()
-        return self._last_stats
-
-    @last_stats.setter
-    def last_stats(self, stats: Optional[RetentionStats]) -> None:
-        self._pending_plan, self._last_stats = None, stats
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
@@ -170,15 +146,14 @@ class LRMoE(MoE):
     def _backward_spec(self, plan: DispatchPlan, dtype: torch.dtype):
         """(the backward's settings, a function that fills in its quotas' shares and replicas, or None where no pair
         can be dropped): the plan comes from the global counts (the same on every rank), so on one rank it makes
-        the layer's one host read; it runs where first needed, in the backward or for the statistics (see forward)."""
+        the layer's one host read; the caller runs it once the forward's kernels are queued (see forward)."""
         cfg = self.lrmoe_config
         if not self._retains():
             return BackwardSpec(), None
         policy, max_rows = self.memory_plan.policy, self.memory_plan.max_rows_per_rank
         if self._retention_step_host is None:
             self._retention_step_host = int(self.retention_step)
-        step = self._retention_step_host  # this forward's: the plan may run after the counter moved on
-        ratio = cfg.retention_at(step if self.optimizer_step is None else self.optimizer_step)
+        ratio = cfg.retention_at(self._retention_step_host if self.optimizer_step is None else self.optimizer_step)
 
         R = self.ep_size
         # replicas can take a retained row only where it carries its input (recompute): a stash stays at home
@@ -188,7 +163,7 @@ class LRMoE(MoE):
         # norms are not needed. (Replicas route even then: their selection keeps every pair, weight 1.)
         may_drop = ratio < 1.0 or max_rows is not None or replicas
         rank = dist.get_rank() if dist.is_initialized() else 0  # every rank samples its own pairs
-        key = f"{cfg.seed}/{self.layer_number}/{step}/{rank}".encode()
+        key = f"{cfg.seed}/{self.layer_number}/{self._retention_step_host}/{rank}".encode()
         seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
         self.last_selection = {} if self.keep_last_selection else None
         dots = self.memory_plan.dropped_router_dots if cfg.dropped_router_dots == "auto" else cfg.dropped_router_dots
@@ -204,7 +179,7 @@ class LRMoE(MoE):
             # make the same quotas and shares
             rounding_gen = None
             if (R > 1 and cfg.quota_allocation != "threshold") or cfg.quota_allocation == "proportional":
-                key = f"{cfg.seed}/{self.layer_number}/{step}/shares".encode()
+                key = f"{cfg.seed}/{self.layer_number}/{self._retention_step_host}/shares".encode()
                 rounding_gen = torch.Generator().manual_seed(
                     int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1)
             if cfg.quota_allocation == "threshold":
@@ -225,13 +200,13 @@ class LRMoE(MoE):
                 if cfg.quota_allocation == "metric_mass":
                     spec.on_mass = lambda mass, n=n: setattr(self, "_metric_mass", (HostCopy(mass), n))
             retained = quotas.view(R, -1).sum(1) if placed is None else placed.retained_per_rank()
-            self._last_stats = RetentionStats(n, quotas, n.view(R, -1).sum(1), retained, policy,
-                                              replica_rows=0 if placed is None else placed.replica_rows(), **row_bytes)
+            self.last_stats = RetentionStats(n, quotas, n.view(R, -1).sum(1), retained, policy,
+                                             replica_rows=0 if placed is None else placed.replica_rows(), **row_bytes)
             if placed is not None:
                 spec.shares, spec.replicas = shares, placed
             elif totals is not None and (ratio < 1.0 or not torch.equal(quotas, n)):
                 spec.shares, spec.totals = rank_shares(quotas, plan.all_counts), totals
-                spec.on_kept = self._last_stats.set_kept
+                spec.on_kept = self.last_stats.set_kept
             elif totals is None and not torch.equal(quotas, n):
                 spec.shares = rank_shares(quotas, plan.all_counts, rounding_gen)
             if spec.shares is not None and totals is None:  # what the sampled rounding of quotas and shares left
@@ -321,10 +296,9 @@ class LRMoE(MoE):
             out = apply_fast(RoutedMLP, x, routing.topk_weight, token, plan, moe.dispatcher, expert_type, spec,
                              w1, w2, stacked, handoff)
             if plan_backward is not None:
-                # The quotas are planned where they are first needed: at the start of this call's backward, or where
-                # the statistics are read first. So the forward never waits for the counts (one rank: their early
-                # copy has long landed by then), and the host runs on to the next layers while the GPU computes.
-                spec.plan = self._pending_plan = _once(lambda: plan_backward(spec))
+                # Now that the forward's kernels are queued, the counts' early copy (one rank) has landed
+                # and the host plans the backward's quotas while the GPU runs the forward.
+                plan_backward(spec)
         else:
             rows = moe.dispatcher.dispatch(x, plan)
             out = moe.dispatcher.combine(moe.experts(rows, plan.group_sizes_host), routing.topk_weight, plan)

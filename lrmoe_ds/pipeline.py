@@ -153,8 +153,6 @@ class RoutedMLP(torch.autograd.Function):
     def backward(ctx, dout):
         x, rows, h, y_src, topk_weight, x_norm = ctx.saved_tensors
         plan, disp, spec, w1, w2 = ctx.plan, ctx.dispatcher, ctx.spec, ctx.w1, ctx.w2
-        if spec.plan is not None:  # the quotas, from the forward's counts (long on the host by now)
-            spec.plan()
         if _version_sum(ctx.stacked) != ctx.weights_version:
             raise RuntimeError("an expert weight of an LRMoE layer was modified by an inplace operation between "
                                "the forward and its backward (e.g. an optimizer step before the backward)")

@@ -1,9 +1,8 @@
 """Retention quotas (host-side): how many pairs of each expert run their backward, and each rank's share.
 
-Planned from a forward's global counts n_e (known on every rank after the dispatcher's one all-gather)
-where first needed: at the start of its backward, or where its statistics are read first. Every rank
-computes the same quotas and shares without more communication; the backward's compacted all-to-all
-sizes follow from them.
+Made in the forward from the global counts n_e (known on every rank after the dispatcher's one
+all-gather), so every rank computes the same quotas and shares without more communication; the
+backward's compacted all-to-all sizes follow from them.
 """
 import functools
 import math

@@ -37,8 +37,6 @@ class BackwardSpec:
     share_weights [R, E] or None: the factor each kept pair's weight takes for its (rank, expert) share having been
         sampled (quotas.share_weights); None: 1 for all.  on_mass: called with every expert's metric mass over the
         group [E] (fp32, on the device) where the backward made it (the "metric_mass" allocation's next quotas).
-    plan: sets ``shares`` and the rest from the counts, on its first call (the backward makes it; the layer's
-        statistics may have made it already), or None: nothing to plan.
     """
     policy: str = "stash"
     router_grad: str = "exact"
@@ -55,7 +53,6 @@ class BackwardSpec:
     dropped_router_dots: str = "saved"
     share_weights: Optional[torch.Tensor] = None
     on_mass: Optional[Callable[[torch.Tensor], None]] = None
-    plan: Optional[Callable[[], None]] = None
 
 
 _generators = {}  # one per device, reseeded for every selection (cheaper than a new one each time)

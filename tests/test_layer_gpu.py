@@ -78,9 +78,9 @@ def test_bf16_retention_matches_reference_over_selected_pairs(policy, router_gra
                                                         (0.5, "waterfill", "recomputed"), (0.5, "metric_mass", "saved")])
 def test_no_host_synchronisation_on_one_gpu(retention, allocation, dots):
     """On one GPU with the CUDA ops no step of the layer waits for the GPU's stream: the exact layer
-    reads nothing back; with retention the forward reads nothing either, and the backward waits once, on an
-    event, for the forward's early copy of the expert counts (long landed by then), which set_sync_debug_mode
-    does not flag; at retention 1.0 not even that (checked on the event)."""
+    reads nothing back; with retention the forward waits once, on an event, for the early copy of the
+    expert counts (after the experts' GEMMs are queued), which set_sync_debug_mode does not flag; at
+    retention 1.0 not even that (checked on the event)."""
     if not ops.cuda_ops_status()[0]:
         pytest.skip(f"CUDA ops unavailable: {ops.cuda_ops_status()[1]}")
     torch.manual_seed(0)
@@ -98,8 +98,6 @@ def test_no_host_synchronisation_on_one_gpu(retention, allocation, dots):
     torch.cuda.set_sync_debug_mode("error")
     try:
         out, _, counts = layer(x)
-        # the forward started the counts' copy where retention will read them, and waited for nothing
-        assert (plans[0].host_counts._event is not None) == (retention is not None)
         out.sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
